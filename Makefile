@@ -1,0 +1,33 @@
+# Two commands a newcomer needs: `make run` and `make test`. Both create or refresh
+# the virtualenv in .venv from pyproject.toml, so a fresh clone needs nothing else.
+PYTHON ?= python3
+VENV ?= .venv
+TF_EXTRA ?= cpu
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stagefeed-installed
+
+.PHONY: run test lint venv bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[$(TF_EXTRA),dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/stagefeed run
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/stagefeed bench steps
+	$(BIN)/stagefeed bench ingest
+
+clean:
+	rm -rf $(VENV) build *.egg-info

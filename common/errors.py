@@ -1,0 +1,59 @@
+"""The small exception vocabulary of stagefeed.
+
+Two ways a component stops working, kept apart as in trio:
+
+- ``ClosedError``: *you* closed it (``close()`` was called, a stop was requested).
+- ``BrokenError``: something *outside* broke it (a peer, the OS, a dead process).
+
+``ConfigError`` is raised at start for a bad flag, option or environment value; its message
+names the offending value. ``ProtocolError`` is raised for a malformed message and carries the
+``DropReason`` under which the message is counted.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class StagefeedError(Exception):
+    """Base class of every error stagefeed raises on purpose."""
+
+
+class ConfigError(StagefeedError, ValueError):
+    """A flag, option or environment value is invalid; the message names it."""
+
+
+class ClosedError(StagefeedError):
+    """The component was closed by its owner; no more work will be done."""
+
+
+class BrokenError(StagefeedError):
+    """The component failed because of something outside it (peer, OS, child process)."""
+
+
+class DropReason(str, enum.Enum):
+    """Why a received message was dropped. Values are stable: they appear in summaries."""
+
+    PARTS = "parts"  # wrong number of frames
+    HEADER_SIZE = "header_size"  # header frame larger than allowed
+    HEADER_NOT_MSGPACK = "header_not_msgpack"
+    HEADER_NOT_MAP = "header_not_map"
+    HEADER_FIELDS = "header_fields"  # missing, extra or ill-typed fields
+    VERSION = "version"  # unknown protocol version
+    PRODUCER_ID = "producer_id"  # producer id empty, too long or with odd characters
+    DTYPE = "dtype"  # dtype not on the allow-list (object dtypes included)
+    SHAPE = "shape"  # negative, zero, too many or huge dimensions
+    FRAME_SIZE = "frame_size"  # shape x itemsize differs from the frame's size
+    SPEC_MISMATCH = "spec_mismatch"  # names, dtypes or shapes differ from the trainer's spec
+    LABEL_RANGE = "label_range"  # a label outside [0, num_classes)
+    DUPLICATE = "duplicate"  # a (producer, seq) pair seen before
+    PRODUCER_LIMIT = "producer_limit"  # more distinct producer ids than the trainer tracks
+
+
+class ProtocolError(StagefeedError):
+    """A received message failed validation; it is dropped and counted under ``reason``."""
+
+    def __init__(self, reason: DropReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail

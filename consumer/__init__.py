@@ -1,0 +1,1 @@
+"""Trainer side: receive pool, FIFOQueue, StagingArea and the AlexNet train op (TensorFlow)."""

@@ -1,0 +1,96 @@
+"""The seed's AlexNet, rebuilt from ``tf.nn`` ops (``tf.layers`` is gone under Keras 3).
+
+Layer for layer the same as the seed's ``Model``: ``tf.layers.conv2d`` defaults (stride 1 unless
+given, VALID padding, bias, Glorot-uniform kernels, *no activation*: the seed passed none),
+VALID max-pooling, dense layers with ReLU and truncated-normal(stddev=1.0) kernels, a linear
+1000-way output, sparse softmax cross-entropy and SGD with learning rate 0.01. The seed's
+``tf.layers.dropout(rate=0.5)`` ran with its default ``training=False`` and so was the identity;
+``dropout_active=False`` keeps that, so step times compare with the seed's table.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from common.errors import ConfigError
+
+v1 = tf.compat.v1
+
+LEARNING_RATE = 0.01
+
+
+def _conv(x: tf.Tensor, filters: int, kernel: int, stride: int, name: str) -> tf.Tensor:
+    with v1.variable_scope(name):
+        w = v1.get_variable(
+            "kernel",
+            [kernel, kernel, x.shape[-1], filters],
+            initializer=v1.glorot_uniform_initializer(),
+        )
+        b = v1.get_variable("bias", [filters], initializer=v1.zeros_initializer())
+    return tf.nn.bias_add(tf.nn.conv2d(x, w, stride, "VALID"), b)
+
+
+def _dense(x: tf.Tensor, units: int, name: str, relu: bool, initializer) -> tf.Tensor:
+    with v1.variable_scope(name):
+        w = v1.get_variable("kernel", [x.shape[-1], units], initializer=initializer)
+        b = v1.get_variable("bias", [units], initializer=v1.zeros_initializer())
+    y = tf.nn.bias_add(tf.matmul(x, w), b)
+    return tf.nn.relu(y) if relu else y
+
+
+def _pool(x: tf.Tensor) -> tf.Tensor:
+    return tf.nn.max_pool2d(x, 3, 2, "VALID")
+
+
+def feature_size(image_size: int) -> int:
+    """Spatial size after conv5's pooling for square inputs (2 for the seed's 227)."""
+    size = (image_size - 11) // 4 + 1
+    for shrink in ("pool", 4, "pool", 2, 2, 2, "pool"):
+        size = (size - 3) // 2 + 1 if shrink == "pool" else size - shrink
+    return size
+
+
+def check_image_size(height: int, width: int) -> None:
+    """Raise ``ConfigError`` for images too small for the seed's VALID convolutions."""
+    if min(feature_size(height), feature_size(width)) < 1:
+        raise ConfigError(f"AlexNet needs images of at least 195x195 pixels, got {height}x{width}")
+
+
+def inference(
+    images: tf.Tensor, num_classes: int = 1000, dropout_active: bool = False
+) -> tf.Tensor:
+    """Logits for NHWC float32 ``images``."""
+    normal = v1.truncated_normal_initializer(stddev=1.0)
+    x = _pool(_conv(images, 64, 11, 4, "conv1"))
+    x = _pool(_conv(x, 192, 5, 1, "conv2"))
+    x = _conv(x, 384, 3, 1, "conv3")
+    x = _conv(x, 384, 3, 1, "conv4")
+    x = _pool(_conv(x, 256, 3, 1, "conv5"))
+    x = tf.reshape(x, [tf.shape(x)[0], x.shape[1] * x.shape[2] * x.shape[3]])
+    x = _dense(x, 4096, "fc6", True, normal)
+    if dropout_active:
+        x = tf.nn.dropout(x, rate=0.5)
+    x = _dense(x, 4096, "fc7", True, normal)
+    if dropout_active:
+        x = tf.nn.dropout(x, rate=0.5)
+    return _dense(x, num_classes, "fc8", False, v1.glorot_uniform_initializer())
+
+
+def train_op(
+    images: tf.Tensor, labels: tf.Tensor, num_classes: int = 1000
+) -> tuple[tf.Tensor, tf.Operation]:
+    """(loss, SGD train op) for the seed's model; call inside the graph and device scope."""
+    with v1.variable_scope("alexnet", reuse=v1.AUTO_REUSE):
+        logits = inference(images, num_classes)
+    loss = tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    )
+    step = v1.train.GradientDescentOptimizer(LEARNING_RATE).minimize(loss)
+    return loss, step
+
+
+def to_float_images(images: tf.Tensor) -> tf.Tensor:
+    """uint8 -> float32 in [0, 1] (on whatever device the caller placed this); float32 as is."""
+    if images.dtype == tf.uint8:
+        return tf.cast(images, tf.float32) * (1.0 / 255.0)
+    return images

@@ -1,0 +1,99 @@
+"""The end-of-run summary: as a dict (for ``--json``) and as text."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from common.stats import percentile
+from consumer.trainer import Trainer
+
+
+def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, Any]:
+    """Every figure of a run. Step statistics cover the timed steps (warm-up excluded)."""
+    options, spec = trainer.options, trainer.options.spec
+    timed = [r for r in trainer.records if r.timed]
+    step_ms = [(r.wait_s + r.step_s) * 1000 for r in timed]
+    waited = sum(r.wait_s for r in timed)
+    busy = sum(r.wait_s + r.step_s for r in timed)
+    window = (timed[-1].at - timed[0].at + timed[0].wait_s + timed[0].step_s) if timed else 0.0
+    totals = trainer.ledger.totals()
+    losses = [r.loss for r in trainer.records]
+    return {
+        "device": trainer.device,
+        "endpoint": trainer.endpoint,
+        "batch_size": spec.batch_size,
+        "image_dtype": spec.image_dtype,
+        "batch_mb": round(spec.batch_bytes / 2**20, 3),
+        "recv_threads": options.recv_threads,
+        "queue_capacity": options.queue_capacity,
+        "stage_depth": options.stage_depth,
+        "warmup_steps": sum(not r.timed for r in trainer.records),
+        "steps": len(timed),
+        "interrupted": interrupted,
+        "median_ms": _round(percentile(step_ms, 50)),
+        "p10_ms": _round(percentile(step_ms, 10)),
+        "p90_ms": _round(percentile(step_ms, 90)),
+        "images_per_s": _round(len(timed) * spec.batch_size / window if window else math.nan),
+        "received_mb_per_s": _round(totals["received_bytes"] / 2**20 / wall_s if wall_s else 0.0),
+        "stall_pct": _round(100.0 * waited / busy if busy else math.nan),
+        "loss_first": _round(losses[0] if losses else math.nan, 4),
+        "loss_last": _round(losses[-1] if losses else math.nan, 4),
+        "loss_finite": all(math.isfinite(x) for x in losses) if losses else False,
+        "wall_s": round(wall_s, 3),
+        "batches": {
+            "received": totals["received"],
+            "trained": totals["trained"],
+            "queued_at_stop": totals["enqueued"] - totals["trained"],
+            "dropped": totals["dropped"],
+            "seq_missing": totals["seq_missing"],
+        },
+        "dropped_by_reason": trainer.ledger.drops_by_reason(),
+        "producers": trainer.ledger.summary(),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _round(value: float, digits: int = 2) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, digits)
+
+
+def write_json(summary: dict[str, Any], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def format_text(summary: dict[str, Any]) -> str:
+    """A human-readable block for the end of ``stagefeed run`` / ``train``."""
+    s, b = summary, summary["batches"]
+    lines = [
+        "stagefeed summary",
+        f"  device {s['device']}, batch {s['batch_size']} x {s['image_dtype']} "
+        f"({s['batch_mb']} MiB), {s['recv_threads']} receive threads, "
+        f"queue {s['queue_capacity']} batches, staging depth {s['stage_depth']}",
+        f"  steps {s['steps']} timed (+{s['warmup_steps']} warm-up)"
+        + (" - interrupted" if s["interrupted"] else ""),
+        f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",
+        f"  images/s {s['images_per_s']}  received {s['received_mb_per_s']} MiB/s  "
+        f"stall {s['stall_pct']}%",
+        f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})",
+        f"  batches received {b['received']}, trained {b['trained']}, "
+        f"queued at stop {b['queued_at_stop']}, dropped {b['dropped']}, "
+        f"missing (sequence gaps) {b['seq_missing']}",
+    ]
+    if s["dropped_by_reason"]:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
+        lines.append(f"  dropped by reason: {reasons}")
+    lines.append("  per producer:")
+    for name, p in s["producers"].items():
+        dropped = sum(p.get("dropped", {}).values())
+        lines.append(
+            f"    {name}: received {p.get('received', 0)}, trained {p.get('trained', 0)}, "
+            f"queued at stop {p.get('queued_at_stop', 0)}, dropped {dropped}"
+            + (f" {p['dropped']}" if dropped else "")
+            + (f", missing {p['seq_missing']}" if p.get("seq_missing") else "")
+        )
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""A PUSH socket that sends batches zero-copy with a bound on bytes not yet sent."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+import zmq
+import zmq.utils.monitor
+
+from common.errors import BrokenError, ClosedError
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100
+
+
+class BatchSender:
+    """Owns one PUSH socket (used from one thread only).
+
+    Invariant: ``len(self._unsent) <= max_unsent``: at most ``max_unsent`` messages are held by
+    ZeroMQ at once, so a producer's bytes in flight are ``max_unsent x message size``. A message
+    leaves ``_unsent`` when its ``MessageTracker`` says ZeroMQ released the buffers, which is what
+    makes reusing the source's buffers safe.
+
+    ``send`` blocks while the trainer is unreachable or slow (backpressure), waking every
+    ``POLL_MS`` to honour ``stop``. It says once that it is waiting, not once per retry.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        max_unsent: int,
+        stop: Any,
+        *,
+        configure: Any = None,
+        connect_timeout_s: float = 0.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.max_unsent = max_unsent
+        self._stop = stop
+        self._connect_timeout_s = connect_timeout_s
+        self._unsent: collections.deque[zmq.MessageTracker] = collections.deque()
+        self._socket = ctx.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, max_unsent)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Queue only to a connected trainer, so "not writable" means "no trainer yet".
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._socket.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if configure is not None:
+            configure(self._socket)
+        self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        )
+        self._socket.connect(endpoint)
+        self._connected = False
+        self._said_unreachable = False
+        self._unreachable_since = time.monotonic()
+        self._closed = False
+
+    def send(self, frames: list[Any]) -> None:
+        """Queue one message; raise ``ClosedError`` if stop was requested meanwhile."""
+        while len(self._unsent) >= self.max_unsent:
+            self._wait_oldest()
+        self._wait_writable()
+        tracker = self._socket.send_multipart(frames, copy=False, track=True)
+        self._unsent.append(tracker)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until ZeroMQ has sent everything (or ``timeout_s``); True if all went out."""
+        deadline = time.monotonic() + timeout_s
+        while self._unsent:
+            if time.monotonic() > deadline or self._stop.is_set():
+                return False
+            if self._unsent[0].done:
+                self._unsent.popleft()
+            else:
+                time.sleep(0.01)
+        return True
+
+    def unsent(self) -> int:
+        """Messages ZeroMQ still holds (not yet written to the socket)."""
+        return sum(not tracker.done for tracker in self._unsent)
+
+    def close(self) -> None:
+        """Idempotent. Unsent messages are discarded (at-most-once delivery)."""
+        if not self._closed:
+            self._closed = True
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._socket.close(linger=0)
+
+    def _wait_oldest(self) -> None:
+        tracker = self._unsent[0]
+        while not tracker.done:
+            self._check_stop()
+            try:
+                tracker.wait(POLL_MS / 1000)
+            except zmq.NotDone:
+                pass
+        self._unsent.popleft()
+
+    def _wait_writable(self) -> None:
+        # Not writable means: no trainer connected (say so once), or backpressure (silent).
+        while True:
+            self._read_monitor()
+            if self._socket.poll(0 if not self._connected else POLL_MS, zmq.POLLOUT):
+                return
+            self._check_stop()
+            if not self._connected:
+                self._monitor.poll(POLL_MS)
+                waited = time.monotonic() - self._unreachable_since
+                if waited > 2.0 and not self._said_unreachable:
+                    self._said_unreachable = True
+                    log.warning("cannot reach the trainer at %s; retrying quietly", self.endpoint)
+                if self._connect_timeout_s and waited > self._connect_timeout_s:
+                    raise BrokenError(
+                        f"trainer at {self.endpoint} not reachable for "
+                        f"{self._connect_timeout_s:g} s"
+                    )
+
+    def _read_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+                if self._said_unreachable:
+                    log.info("trainer at %s reachable again", self.endpoint)
+                self._said_unreachable = False
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                self._unreachable_since = time.monotonic()
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise ClosedError("stop requested")

@@ -1,0 +1,168 @@
+"""``stagefeed`` command line: produce, train, run (and the subcommands other modules add).
+
+Imports stay light at module level: spawned producer processes re-import this module, and
+they must never import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from common.errors import BrokenError, ConfigError
+from common.logs import setup_logging
+from common.options import ProducerOptions, TrainerOptions
+from common.spec import IMAGE_DTYPES, BatchSpec
+from stagefeed import envflags
+
+log = logging.getLogger("stagefeed")
+
+
+def add_spec_flags(p: argparse.ArgumentParser, batch_size: int) -> None:
+    g = p.add_argument_group("batch")
+    envflags.add(g, "--batch-size", type=int, default=batch_size, help="images per batch")
+    envflags.add(
+        g, "--dtype", default="float32", choices=IMAGE_DTYPES, help="image dtype on the wire"
+    )
+    envflags.add(g, "--image-size", type=int, default=227, help="image height and width")
+    envflags.add(g, "--num-classes", type=int, default=1000, help="labels are in [0, N)")
+
+
+def add_producer_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("producer")
+    envflags.add(g, "--source", default="synthetic", help="'synthetic' or module:function")
+    envflags.add(g, "--inflight-mb", type=float, default=512.0, help="unsent bytes per producer")
+    envflags.add(g, "--rate", type=float, default=0.0, help="batches/s per producer (0: no limit)")
+    envflags.add(g, "--max-batches", type=int, default=0, help="batches per producer (0: no limit)")
+    envflags.add(g, "--seed", type=int, default=0, help="RNG seed of the synthetic source")
+
+
+def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
+    g = p.add_argument_group("trainer")
+    envflags.add(g, "--recv-threads", type=int, default=2, help="receive threads")
+    envflags.add(g, "--steps", type=int, default=steps, help="timed steps (0: until stopped)")
+    envflags.add(g, "--warmup-steps", type=int, default=2, help="untimed steps before them")
+    envflags.add(g, "--queue-mb", type=float, default=2048.0, help="FIFOQueue budget in MiB")
+    envflags.add(g, "--stage-depth", type=int, default=2, help="batches staged on the device")
+    envflags.add(g, "--device", default="auto", choices=("auto", "cpu", "gpu"), help="train on")
+    envflags.add(g, "--max-message-mb", type=float, default=0.0, help="0: one batch + 1 MiB")
+    envflags.add(g, "--json", default=None, help="write the summary as JSON to this path")
+    envflags.add(g, "--progress-s", type=float, default=5.0, help="seconds between progress lines")
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    envflags.add(p, "--curve-keys", default=None, help="CURVE keys directory (stagefeed keygen)")
+    envflags.add(p, "--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def spec_from(args: argparse.Namespace) -> BatchSpec:
+    return BatchSpec(
+        batch_size=args.batch_size,
+        height=args.image_size,
+        width=args.image_size,
+        image_dtype=args.dtype,
+        num_classes=args.num_classes,
+    )
+
+
+def producer_options(args: argparse.Namespace, connect: str, workers: int) -> ProducerOptions:
+    return ProducerOptions(
+        connect=connect,
+        workers=workers,
+        spec=spec_from(args),
+        source=args.source,
+        inflight_mb=args.inflight_mb,
+        rate=args.rate,
+        max_batches=args.max_batches,
+        seed=args.seed,
+        curve_keys=args.curve_keys,
+    )
+
+
+def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
+    return TrainerOptions(
+        bind=bind,
+        spec=spec_from(args),
+        recv_threads=args.recv_threads,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        queue_mb=args.queue_mb,
+        stage_depth=args.stage_depth,
+        device=args.device,
+        max_message_mb=args.max_message_mb,
+        curve_keys=args.curve_keys,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stagefeed",
+        description="Feed a TensorFlow trainer from producer processes over ZeroMQ.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("produce", help="start producer processes that push batches to a trainer")
+    envflags.add(p, "--connect", default="tcp://127.0.0.1:5555", help="the trainer's address")
+    envflags.add(p, "--workers", type=int, default=1, help="producer processes")
+    add_spec_flags(p, batch_size=256)
+    add_producer_flags(p)
+    add_common_flags(p)
+    p.set_defaults(func=_produce)
+
+    p = sub.add_parser("train", help="train AlexNet on batches received from producers")
+    envflags.add(p, "--bind", default="tcp://*:5555", help="address to listen on")
+    add_spec_flags(p, batch_size=256)
+    add_trainer_flags(p, steps=100)
+    add_common_flags(p)
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("run", help="trainer + N producers on loopback: the main job")
+    envflags.add(p, "--producers", type=int, default=2, help="producer processes")
+    envflags.add(p, "--transport", default="tcp", choices=("tcp", "ipc"), help="loopback transport")
+    add_spec_flags(p, batch_size=128)
+    add_trainer_flags(p, steps=30)
+    add_producer_flags(p)
+    add_common_flags(p)
+    p.set_defaults(func=_run)
+    return parser
+
+
+def _produce(args: argparse.Namespace) -> int:
+    from stagefeed.launcher import produce
+
+    return produce(producer_options(args, args.connect, args.workers))
+
+
+def _train(args: argparse.Namespace) -> int:
+    from stagefeed.launcher import train
+
+    return train(trainer_options(args, args.bind), args.json, args.progress_s)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from stagefeed.launcher import run_local
+
+    return run_local(args, trainer_options, producer_options)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # TensorFlow's C++ INFO/WARNING lines (oneDNN notices, cancelled enqueues at shutdown) would
+    # bury stagefeed's own log; errors still show. Set TF_CPP_MIN_LOG_LEVEL to override.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        args = build_parser().parse_args(argv)
+        setup_logging(getattr(logging, args.log_level.upper()))
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"stagefeed: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenError as exc:
+        log.error("%s", exc)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
