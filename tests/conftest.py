@@ -1,0 +1,121 @@
+"""Shared test helpers: real processes, real sockets on loopback, no mocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Small batches of the seed's image size (AlexNet needs >= 195x195): 1.2 MB per float32 batch.
+TINY = ["--batch-size", "2"]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": REPO,
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+    )
+    for key in [k for k in env if k.startswith("STAGEFEED_")]:
+        del env[key]
+    env.update(extra)
+    return env
+
+
+def cli(*args: str) -> list[str]:
+    """Command line running the stagefeed CLI with this interpreter."""
+    return [sys.executable, "-m", "stagefeed.cli", *args]
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(
+    args: Sequence[str], timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``stagefeed ARGS`` to completion; stdout and stderr captured as text."""
+    return subprocess.run(
+        cli(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or cli_env(),
+        cwd=REPO,
+        check=False,
+    )
+
+
+class Started:
+    """A CLI process started in its own process group, so the test can signal all of it."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, log_path=None):
+        self.log_path = log_path
+        self._log = open(log_path, "w+") if log_path else subprocess.PIPE  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cli(*args),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env or cli_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def output(self) -> str:
+        if self.log_path:
+            with open(self.log_path) as f:
+                return f.read()
+        out, _ = self.proc.communicate(timeout=30)
+        return out
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def start_cli(tmp_path) -> Iterator:
+    """``start_cli(args, name=...)`` -> Started; every group is killed at teardown."""
+    started: list[Started] = []
+
+    def _start(args: Sequence[str], name: str = "proc", env: dict[str, str] | None = None):
+        proc = Started(args, env=env, log_path=tmp_path / f"{name}-{len(started)}.log")
+        started.append(proc)
+        return proc
+
+    yield _start
+    for proc in started:
+        proc.kill_group()
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
