@@ -15,6 +15,11 @@ from common.errors import BrokenError, ClosedError
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class BatchSender:
@@ -53,12 +58,15 @@ class BatchSender:
         self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if configure is not None:
             configure(self._socket)
+        # Connected means handshake done: a TCP connection the trainer then refuses (CURVE key
+        # not allowed, plain text to a CURVE trainer) must not count as reaching it.
         self._monitor = self._socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
         )
         self._socket.connect(endpoint)
         self._connected = False
         self._said_unreachable = False
+        self._said_refused = False
         self._unreachable_since = time.monotonic()
         self._closed = False
 
@@ -70,29 +78,22 @@ class BatchSender:
         tracker = self._socket.send_multipart(frames, copy=False, track=True)
         self._unsent.append(tracker)
 
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until ZeroMQ has sent everything (or ``timeout_s``); True if all went out."""
-        deadline = time.monotonic() + timeout_s
-        while self._unsent:
-            if time.monotonic() > deadline or self._stop.is_set():
-                return False
-            if self._unsent[0].done:
-                self._unsent.popleft()
-            else:
-                time.sleep(0.01)
-        return True
-
     def unsent(self) -> int:
         """Messages ZeroMQ still holds (not yet written to the socket)."""
         return sum(not tracker.done for tracker in self._unsent)
 
-    def close(self) -> None:
-        """Idempotent. Unsent messages are discarded (at-most-once delivery)."""
+    def close(self, flush_s: float = 0.0) -> None:
+        """Idempotent. ``flush_s`` > 0: let ZeroMQ deliver what it holds for up to that long
+        (on ``Context.term()``); 0: unsent messages are discarded (at-most-once delivery).
+
+        A ``MessageTracker`` being done does not mean delivered: the rest of a multipart
+        message can still sit in ZeroMQ's pipe, so a clean finish needs the linger.
+        """
         if not self._closed:
             self._closed = True
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
-            self._socket.close(linger=0)
+            self._socket.close(linger=int(flush_s * 1000))
 
     def _wait_oldest(self) -> None:
         tracker = self._unsent[0]
@@ -126,14 +127,24 @@ class BatchSender:
     def _read_monitor(self) -> None:
         while self._monitor.poll(0):
             event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
                 if self._said_unreachable:
                     log.info("trainer at %s reachable again", self.endpoint)
                 self._said_unreachable = False
             elif event == zmq.EVENT_DISCONNECTED:
+                # Only a lost connection restarts the clock: refused handshakes repeat.
+                if self._connected:
+                    self._unreachable_since = time.monotonic()
                 self._connected = False
-                self._unreachable_since = time.monotonic()
+            elif event & _HANDSHAKE_FAILED and not self._said_refused:
+                self._said_refused = True
+                log.warning(
+                    "the trainer at %s refused the handshake (%s): check --curve-keys on both "
+                    "sides; retrying quietly",
+                    self.endpoint,
+                    zmq.Event(event).name,
+                )
 
     def _check_stop(self) -> None:
         if self._stop.is_set():

@@ -33,11 +33,10 @@ class SyntheticSource:
         rng = np.random.default_rng(seed)
         self.pool: list[Arrays] = []
         for _ in range(pool_size):
-            images = np.empty(spec.image_shape, dtype=spec.image_dtype)
             if spec.image_dtype == "uint8":
-                rng.integers(0, 256, size=spec.image_shape, dtype=np.uint8, out=images)
+                images = rng.integers(0, 256, size=spec.image_shape, dtype=np.uint8)
             else:
-                rng.random(spec.image_shape, dtype=np.float32, out=images)
+                images = rng.random(spec.image_shape, dtype=np.float32)
             labels = rng.integers(0, spec.num_classes, size=spec.label_shape, dtype=np.int32)
             self.pool.append([(IMAGES, images), (LABELS, labels)])
 

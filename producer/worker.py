@@ -7,6 +7,7 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -22,6 +23,7 @@ from producer.sources import open_source
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 30.0
+_flushing = threading.Event()
 
 
 def producer_id(index: int) -> str:
@@ -44,9 +46,17 @@ class _ParentWatch:
 def worker_main(options: ProducerOptions, index: int, stop: Any, log_level: int) -> None:
     """Entry point of a spawned producer process; exits 0 on a clean stop."""
     setup_logging(log_level)
-    # The supervisor owns shutdown: signals only set the stop flag here.
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def on_signal(*_: object) -> None:
+        # The supervisor owns shutdown: a signal sets the stop flag. While the last batches
+        # are being delivered (ZeroMQ linger inside ``Context.term``), stopping means
+        # discarding them: exit at once.
+        if _flushing.is_set():
+            os._exit(0)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         sent = produce(options, index, _ParentWatch(stop))
     except ClosedError:
@@ -78,6 +88,7 @@ def produce(options: ProducerOptions, index: int, stop: Any) -> int:
         connect_timeout_s=options.connect_timeout_s,
     )
     seq = 0
+    finished = False
     interval = 1.0 / options.rate if options.rate else 0.0
     next_at = time.monotonic()
     log.info(
@@ -103,17 +114,30 @@ def produce(options: ProducerOptions, index: int, stop: Any) -> int:
             seq += 1
             if options.max_batches and seq >= options.max_batches:
                 break
-        if not sender.flush(FLUSH_TIMEOUT_S):
-            log.warning("producer %s: not all batches left within %.0f s", pid, FLUSH_TIMEOUT_S)
+        finished = True
     finally:
-        unsent = sender.unsent()
-        log.info(
-            "producer %s handed %d batches to ZeroMQ (seq 0..%d); %d unsent at exit, discarded",
-            pid,
-            seq,
-            seq - 1,
-            unsent,
-        )
-        sender.close()
-        ctx.term()
+        held = sender.unsent()
+        if finished:
+            log.info(
+                "producer %s finished: %d batches (seq 0..%d); delivering the last %d "
+                "(up to %.0f s)",
+                pid,
+                seq,
+                seq - 1,
+                held,
+                FLUSH_TIMEOUT_S,
+            )
+            _flushing.set()
+            sender.close(flush_s=FLUSH_TIMEOUT_S)
+        else:
+            log.info(
+                "producer %s stopped: %d batches handed to ZeroMQ (seq 0..%d), up to %d of them "
+                "unsent and discarded",
+                pid,
+                seq,
+                seq - 1,
+                held,
+            )
+            sender.close()
+        ctx.term()  # waits for the linger of a finished producer
     return seq

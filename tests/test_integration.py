@@ -1,0 +1,130 @@
+"""Real trainer and producer processes over loopback: every batch sent is accounted for."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from tests.conftest import TINY, free_tcp_port
+
+pytestmark = __import__("pytest").mark.slow
+
+
+def _summary(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _handed(output: str) -> dict[str, int]:
+    """Batches each producer that finished cleanly sent, from its exit log line."""
+    return {pid: int(n) for pid, n in re.findall(r"producer (\S+) finished: (\d+) batches", output)}
+
+
+def test_every_batch_sent_is_trained_or_queued(tmp_path, start_cli):
+    """2 producers x 8 batches; the trainer needs all 16 (2 warm-up + 12 timed + 2 staged)."""
+    port = free_tcp_port()
+    summary_path = tmp_path / "summary.json"
+    trainer = start_cli(
+        [
+            "train",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            *TINY,
+            "--steps",
+            "12",
+            "--json",
+            str(summary_path),
+        ],
+        name="trainer",
+    )
+    producers = start_cli(
+        [
+            "produce",
+            "--connect",
+            f"tcp://127.0.0.1:{port}",
+            "--workers",
+            "2",
+            *TINY,
+            "--max-batches",
+            "8",
+        ],
+        name="producers",
+    )
+    assert producers.wait(120) == 0, producers.output()
+    assert trainer.wait(120) == 0, trainer.output()
+    summary = _summary(summary_path)
+    sent = _handed(producers.output())
+    assert len(sent) == 2 and all(n == 8 for n in sent.values()), producers.output()
+
+    assert set(summary["producers"]) == set(sent)
+    for pid, stats in summary["producers"].items():
+        assert stats["received"] == sent[pid]
+        assert stats["received"] == stats["trained"] + stats["queued_at_stop"]
+        assert stats["not_enqueued"] == 0
+        assert stats["dropped"] == {}
+        assert stats["seq_first"] == 0 and stats["seq_last"] == 7
+        assert stats["seq_missing"] == 0 and stats["seq_duplicates"] == 0
+        assert stats["trained_duplicates"] == 0
+    batches = summary["batches"]
+    assert batches == {
+        "received": 16,
+        "trained": 14,
+        "queued_at_stop": 2,
+        "dropped": 0,
+        "seq_missing": 0,
+    }
+    assert summary["steps"] == 12 and summary["warmup_steps"] == 2
+    assert summary["loss_finite"] and math.isfinite(summary["loss_last"])
+    assert summary["median_ms"] > 0 and summary["images_per_s"] > 0
+
+
+def test_trainer_stopped_by_signal_accounts_for_what_it_holds(tmp_path, start_cli):
+    """Producers finish first; SIGTERM then stops a --steps 0 trainer with batches queued."""
+    import signal
+
+    from tests.conftest import wait_for
+
+    port = free_tcp_port()
+    summary_path = tmp_path / "summary.json"
+    trainer = start_cli(
+        [
+            "train",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            *TINY,
+            "--steps",
+            "0",
+            "--warmup-steps",
+            "0",
+            "--json",
+            str(summary_path),
+            "--progress-s",
+            "0.2",
+        ],
+        name="trainer",
+    )
+    producers = start_cli(
+        [
+            "produce",
+            "--connect",
+            f"tcp://127.0.0.1:{port}",
+            "--workers",
+            "2",
+            *TINY,
+            "--max-batches",
+            "30",
+        ],
+        name="producers",
+    )
+    assert producers.wait(120) == 0, producers.output()
+    assert wait_for(lambda: "step " in trainer.output(), 60), trainer.output()
+    trainer.signal(signal.SIGTERM)
+    assert trainer.wait(20) == 0, trainer.output()
+    summary = _summary(summary_path)
+    assert summary["interrupted"] is True
+    batches = summary["batches"]
+    assert batches["received"] == 60
+    assert batches["trained"] + batches["queued_at_stop"] == 60
+    assert batches["trained"] >= 1 and batches["queued_at_stop"] >= 2  # staging stays filled
+    assert batches["dropped"] == 0 and batches["seq_missing"] == 0

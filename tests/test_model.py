@@ -1,0 +1,72 @@
+"""The AlexNet train op matches the seed's model layer for layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from common.errors import ConfigError
+from consumer import model
+
+v1 = tf.compat.v1
+
+
+def _seed_reference_shapes():
+    """The seed's tf.layers stack rebuilt with Keras layers (same defaults: VALID, stride 1)."""
+    keras = tf.keras
+    layers = [
+        keras.Input((227, 227, 3)),
+        keras.layers.Conv2D(64, 11, 4, padding="valid"),
+        keras.layers.MaxPooling2D(3, 2),
+        keras.layers.Conv2D(192, 5),
+        keras.layers.MaxPooling2D(3, 2),
+        keras.layers.Conv2D(384, 3),
+        keras.layers.Conv2D(384, 3),
+        keras.layers.Conv2D(256, 3),
+        keras.layers.MaxPooling2D(3, 2),
+        keras.layers.Flatten(),
+        keras.layers.Dense(4096, "relu"),
+        keras.layers.Dense(4096, "relu"),
+        keras.layers.Dense(1000),
+    ]
+    reference = keras.Sequential(layers)
+    return [tuple(w.shape) for w in reference.weights]
+
+
+def test_variables_match_the_seed_model():
+    graph = tf.Graph()
+    with graph.as_default():
+        images = v1.placeholder(tf.float32, [2, 227, 227, 3])
+        labels = v1.placeholder(tf.int32, [2])
+        model.train_op(images, labels)
+        ours = [tuple(v.shape.as_list()) for v in v1.trainable_variables()]
+    assert ours == _seed_reference_shapes()
+    # 2x2x256 features after conv5: the seed pads nothing.
+    assert sum(int(np.prod(s)) for s in ours) == 28_283_816
+
+
+def test_one_step_runs_and_the_loss_is_finite():
+    graph = tf.Graph()
+    with graph.as_default():
+        images = v1.placeholder(tf.float32, [2, 227, 227, 3])
+        labels = v1.placeholder(tf.int32, [2])
+        loss, step = model.train_op(images, labels)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            feed = {images: np.random.random((2, 227, 227, 3)), labels: [1, 999]}
+            first, _ = sess.run([loss, step], feed)
+            second = sess.run(loss, feed)
+    assert np.isfinite(first) and np.isfinite(second)
+    assert second != first  # SGD changed the weights
+
+
+def test_uint8_images_are_scaled_to_unit_range():
+    x = tf.constant([[0, 255]], dtype=tf.uint8)
+    assert model.to_float_images(x).numpy().tolist() == [[0.0, 1.0]]
+
+
+def test_too_small_images_fail_naming_the_size():
+    assert model.feature_size(227) == 2 and model.feature_size(195) == 1
+    with pytest.raises(ConfigError, match="194x194"):
+        model.check_image_size(194, 194)
