@@ -56,6 +56,7 @@ class Ledger:
         self._by_index: list[ProducerStats] = []
         self._drops: collections.Counter[tuple[str, str]] = collections.Counter()
         self._last_drop_log: dict[str, float] = {}
+        self._peer_events: collections.Counter[str] = collections.Counter()
         self.started = time.monotonic()
 
     def accept(self, producer: str, seq: int, nbytes: int) -> int | None:
@@ -100,6 +101,16 @@ class Ledger:
                 stats = self._by_index[int(index)]
                 stats.trained += 1
                 stats.trained_sequence.record(int(seq))
+
+    def peer_event(self, name: str) -> None:
+        """Book a connection event of the bound socket (``consumer.peers`` names them)."""
+        with self._lock:
+            self._peer_events[name] += 1
+
+    def peer_events(self) -> dict[str, int]:
+        """Connection events so far: accepted, disconnected, handshake failures by kind."""
+        with self._lock:
+            return dict(self._peer_events)
 
     def producer_count(self) -> int:
         with self._lock:

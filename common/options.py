@@ -70,8 +70,12 @@ class TrainerOptions:
     """The trainer's settings.
 
     Bytes held by the trainer are bounded by ``queue_mb`` (the FIFOQueue) plus
-    ``stage_depth + recv_threads + 2`` batches, plus one message per connected producer
-    waiting in ZeroMQ (receive high-water mark 1), each at most ``max_message_mb``.
+    ``stage_depth + 2 + 4 * recv_threads`` batches (staged; the one a step trains on; the
+    proxy's; per receive thread two in its inproc pipe, whose high-water mark is the sum of
+    both ends', one in hand and TensorFlow's copy of it while the enqueue waits), plus two
+    messages per connected producer (one waiting at receive high-water mark 1, one being
+    decoded; three with CURVE, see ``common.curve``). ``max_message_mb`` caps each frame, not
+    a message: see docs/guarantees.md for what that means with untrusted peers.
     """
 
     bind: str = "tcp://*:5555"

@@ -139,7 +139,8 @@ def _decode_header(raw: memoryview) -> dict[str, Any]:
             raw, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True
         )
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise ProtocolError(DropReason.HEADER_NOT_MSGPACK, str(exc)[:200]) from None
+        detail = f"{type(exc).__name__}: {exc}"  # some msgpack errors have no message
+        raise ProtocolError(DropReason.HEADER_NOT_MSGPACK, detail[:200]) from None
     if not isinstance(header, dict):
         raise ProtocolError(DropReason.HEADER_NOT_MAP, type(header).__name__)
     if "v" in header and header["v"] != PROTOCOL_VERSION:

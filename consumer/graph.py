@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import tensorflow as tf
 from tensorflow.python.ops.data_flow_ops import StagingArea
@@ -66,8 +67,28 @@ class FeedGraph:
     capacity: int
 
 
-def build(spec: BatchSpec, queue_capacity: int, stage_depth: int, device: str) -> FeedGraph:
-    """Build the feeding path and train op. ``device`` is ``/cpu:0`` or ``/gpu:0``."""
+# (staged images, staged labels, spec) -> (loss, op): what one step does with a staged batch.
+StepBuilder = Callable[[tf.Tensor, tf.Tensor, BatchSpec], tuple[tf.Tensor, tf.Operation]]
+
+
+def alexnet_step(
+    images: tf.Tensor, labels: tf.Tensor, spec: BatchSpec
+) -> tuple[tf.Tensor, tf.Operation]:
+    """The default step: the seed's AlexNet trained on the staged batch (uint8 cast on device)."""
+    return model.train_op(model.to_float_images(images), labels, spec.num_classes)
+
+
+def build(
+    spec: BatchSpec,
+    queue_capacity: int,
+    stage_depth: int,
+    device: str,
+    step_builder: StepBuilder = alexnet_step,
+) -> FeedGraph:
+    """Build the feeding path and a step. ``device`` is ``/cpu:0`` or ``/gpu:0``.
+
+    ``step_builder`` replaces the train op (``bench ingest`` uses a trivial consumer).
+    """
     model.check_image_size(spec.height, spec.width)
     graph = tf.Graph()
     image_dtype = tf.as_dtype(spec.image_dtype)
@@ -94,7 +115,7 @@ def build(spec: BatchSpec, queue_capacity: int, stage_depth: int, device: str) -
             put = staging.put(dequeued)
             staged_size = staging.size()
             images, labels, producer, seq = staging.get()
-            loss, train = model.train_op(model.to_float_images(images), labels, spec.num_classes)
+            loss, train = step_builder(images, labels, spec)
             step = tf.group(train, put, name="step")
     log.info(
         "graph on %s: FIFOQueue of %d batches (%.0f MiB), staging depth %d, %s images",

@@ -12,10 +12,12 @@ import zmq
 
 from common import protocol
 from common.errors import BrokenError, ConfigError, ProtocolError
+from common.ipc_file import IpcFile
 from common.ledger import Ledger
 from common.lifecycle import join_threads
 from common.options import TrainerOptions
 from consumer.graph import FeedGraph
+from consumer.peers import PeerMonitor
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class ReceivePool:
         self.endpoint = ""
         self.failure: BaseException | None = None
         self._closed = False
+        self._ipc_file: IpcFile | None = None
 
     def start(self) -> ReceivePool:
         """Bind and start the threads; raise ``ConfigError`` if the address cannot be bound."""
@@ -85,13 +88,17 @@ class ReceivePool:
         frontend.setsockopt(zmq.LINGER, 0)
         if self._configure_server is not None:
             self._configure_server(frontend)
+        peers = PeerMonitor(frontend, self._ledger, self._stop, self._fail)
         try:
             frontend.bind(self.options.bind)
         except zmq.ZMQError as exc:
             frontend.close(linger=0)
+            peers.abandon()
+            self._close_configurator()
             self._ctx.term()
             raise ConfigError(f"cannot bind {self.options.bind!r}: {exc}") from None
         self.endpoint = frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ipc_file = IpcFile(self.endpoint)
         backend = self._ctx.socket(zmq.PUSH)
         backend.setsockopt(zmq.SNDHWM, 1)
         backend.setsockopt(zmq.LINGER, 0)
@@ -100,6 +107,7 @@ class ReceivePool:
             target=self._proxy, args=(frontend, backend), name="stagefeed-proxy"
         )
         self._threads.append(proxy)
+        self._threads.append(peers.thread)
         for i in range(self.options.recv_threads):
             self._threads.append(
                 threading.Thread(
@@ -123,10 +131,21 @@ class ReceivePool:
         self._closed = True
         self._stop.set()
         stuck = join_threads(self._threads, JOIN_TIMEOUT_S)
+        stuck += self._close_configurator()
         if stuck:
             self._ctx.destroy(linger=0)
         else:
             self._ctx.term()
+        if self._ipc_file is not None:
+            self._ipc_file.remove()
+
+    def _close_configurator(self) -> list[str]:
+        """Stop what the socket configurator runs (CURVE's authenticator): before ``term``."""
+        close = getattr(self._configure_server, "close", None)
+        return close() if close is not None else []
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
 
     def check(self) -> None:
         """Raise ``BrokenError`` if a receive thread died."""

@@ -51,6 +51,7 @@ def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, A
             "seq_missing": totals["seq_missing"],
         },
         "dropped_by_reason": trainer.ledger.drops_by_reason(),
+        "connections": trainer.ledger.peer_events(),
         "producers": trainer.ledger.summary(),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -87,6 +88,9 @@ def format_text(summary: dict[str, Any]) -> str:
     if s["dropped_by_reason"]:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
         lines.append(f"  dropped by reason: {reasons}")
+    if s.get("connections"):
+        events = ", ".join(f"{k} {v}" for k, v in sorted(s["connections"].items()))
+        lines.append(f"  connections: {events}")
     lines.append("  per producer:")
     for name, p in s["producers"].items():
         dropped = sum(p.get("dropped", {}).values())
@@ -96,4 +100,6 @@ def format_text(summary: dict[str, Any]) -> str:
             + (f" {p['dropped']}" if dropped else "")
             + (f", missing {p['seq_missing']}" if p.get("seq_missing") else "")
         )
+    if s.get("advice"):
+        lines.append(f"  advice: {s['advice']}")
     return "\n".join(lines)

@@ -53,8 +53,10 @@ class Trainer:
         options: TrainerOptions,
         observers: Sequence[StepObserver] = (),
         configure_server: Callable[[Any], None] | None = None,
+        step_builder: feed_graph.StepBuilder = feed_graph.alexnet_step,
     ) -> None:
         self.options = options
+        self.step_builder = step_builder  # what a step does with the staged batch
         self.observers = list(observers)
         self.ledger = Ledger()
         self.availability = Availability()
@@ -72,7 +74,11 @@ class Trainer:
         options = self.options
         self.device = feed_graph.pick_device(options.device)
         self._feed = feed_graph.build(
-            options.spec, options.queue_capacity, options.stage_depth, self.device
+            options.spec,
+            options.queue_capacity,
+            options.stage_depth,
+            self.device,
+            self.step_builder,
         )
         self._session = v1.Session(
             graph=self._feed.graph, config=feed_graph.session_config(self.device)

@@ -32,6 +32,7 @@ class BatchSender:
 
     ``send`` blocks while the trainer is unreachable or slow (backpressure), waking every
     ``POLL_MS`` to honour ``stop``. It says once that it is waiting, not once per retry.
+    It raises ``BrokenError`` if the trainer refuses the handshake (CURVE keys).
     """
 
     def __init__(
@@ -66,7 +67,6 @@ class BatchSender:
         self._socket.connect(endpoint)
         self._connected = False
         self._said_unreachable = False
-        self._said_refused = False
         self._unreachable_since = time.monotonic()
         self._closed = False
 
@@ -137,13 +137,12 @@ class BatchSender:
                 if self._connected:
                     self._unreachable_since = time.monotonic()
                 self._connected = False
-            elif event & _HANDSHAKE_FAILED and not self._said_refused:
-                self._said_refused = True
-                log.warning(
-                    "the trainer at %s refused the handshake (%s): check --curve-keys on both "
-                    "sides; retrying quietly",
-                    self.endpoint,
-                    zmq.Event(event).name,
+            elif event & _HANDSHAKE_FAILED:
+                # libzmq does not reconnect after a refused handshake: waiting would be silent
+                # and endless, and only a change of keys on one side can fix it.
+                raise BrokenError(
+                    f"the trainer at {self.endpoint} refused the handshake "
+                    f"({zmq.Event(event).name}): check --curve-keys on both sides"
                 )
 
     def _check_stop(self) -> None:

@@ -51,6 +51,15 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add(g, "--max-message-mb", type=float, default=0.0, help="0: one batch + 1 MiB")
     envflags.add(g, "--json", default=None, help="write the summary as JSON to this path")
     envflags.add(g, "--progress-s", type=float, default=5.0, help="seconds between progress lines")
+    envflags.add(g, "--logdir", default=None, help="write TensorBoard scalars to this directory")
+    envflags.add(
+        g, "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
+    )
+    envflags.add(g, "--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    envflags.add(g, "--advice-s", type=float, default=300.0, help="seconds between advice lines")
+    envflags.add(
+        g, "--wire-mb-s", type=float, default=1400.0, help="MiB/s the producers' link carries"
+    )
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -127,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_producer_flags(p)
     add_common_flags(p)
     p.set_defaults(func=_run)
+
+    from stagefeed import health  # its own module: the container healthcheck
+
+    health.add_parser(sub)
+    from stagefeed import keygen  # CURVE key pairs for --curve-keys
+
+    keygen.add_parser(sub)
+    from bench import cli as bench_cli  # no TensorFlow until a benchmark runs
+
+    bench_cli.add_parser(sub)
     return parser
 
 
@@ -137,9 +156,9 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from stagefeed.launcher import train
+    from stagefeed.launcher import observe_options, train
 
-    return train(trainer_options(args, args.bind), args.json, args.progress_s)
+    return train(trainer_options(args, args.bind), args.json, observe_options(args))
 
 
 def _run(args: argparse.Namespace) -> int:

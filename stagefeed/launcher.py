@@ -10,18 +10,22 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.errors import ClosedError
 from common.lifecycle import on_stop_signals
 from common.options import ProducerOptions, TrainerOptions
 from producer.pool import ProducerPool
 
+if TYPE_CHECKING:
+    from consumer.monitor import ObserveOptions
+
 log = logging.getLogger("stagefeed")
 
 
 def produce(options: ProducerOptions) -> int:
     """Run producer processes until they finish (``--max-batches``) or a signal stops them."""
+    _check_client_keys(options)
     stop = threading.Event()
     restore = on_stop_signals(lambda _sig: stop.set())
     pool = ProducerPool(options, logging.getLogger().level).start()
@@ -35,6 +39,14 @@ def produce(options: ProducerOptions) -> int:
     return 0
 
 
+def _check_client_keys(options: ProducerOptions) -> None:
+    """Fail at start, naming the file, if the producers' CURVE keys are unusable."""
+    if options.curve_keys:
+        from common.curve import client_configurator
+
+        client_configurator(options.curve_keys)
+
+
 def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | None:
     if not options.curve_keys:
         return None
@@ -43,37 +55,61 @@ def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | Non
     return server_configurator(options.curve_keys)
 
 
-def _finish(trainer: Any, started: float, stop: threading.Event, json_path: str | None) -> None:
+def observe_options(args: argparse.Namespace) -> ObserveOptions:
+    """Progress, advice, TensorBoard and Prometheus settings from the trainer flags."""
+    from consumer.monitor import ObserveOptions
+
+    return ObserveOptions(
+        progress_s=args.progress_s,
+        logdir=args.logdir,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        advice_s=args.advice_s,
+        wire_mb_s=args.wire_mb_s,
+    )
+
+
+def _finish(
+    trainer: Any,
+    started: float,
+    stop: threading.Event,
+    json_path: str | None,
+    final: dict[str, Any] | None = None,
+) -> None:
     from consumer.summary import format_text, summarize, write_json
 
     summary = summarize(trainer, time.monotonic() - started, interrupted=stop.is_set())
+    summary.update(final or {})  # "advice" and "bottleneck" from the Monitor
     print(format_text(summary), flush=True)
     if json_path:
         write_json(summary, json_path)
         log.info("summary written to %s", json_path)
 
 
-def train(options: TrainerOptions, json_path: str | None, progress_s: float) -> int:
+def train(options: TrainerOptions, json_path: str | None, observe: ObserveOptions) -> int:
     """Listen, train ``options.steps`` steps (or until a signal), print the summary."""
-    from consumer.progress import Progress
+    from consumer.monitor import Monitor
     from consumer.trainer import Trainer
 
     stop = threading.Event()
     restore = on_stop_signals(lambda _sig: stop.set())
-    progress = Progress(progress_s)
-    trainer = Trainer(options, [progress], _server_configurator(options))
+    monitor = Monitor(observe)
+    trainer = Trainer(options, [monitor], _server_configurator(options))
     started = time.monotonic()
     try:
+        monitor.start(trainer)
         trainer.start()
         try:
             trainer.train(stop)
         except ClosedError:
             log.info("stopped before training started")
-        progress.finish()
     finally:
-        trainer.close()
-        restore()
-    _finish(trainer, started, stop, json_path)
+        try:
+            monitor.close()
+        finally:
+            trainer.close()
+            restore()
+    _finish(trainer, started, stop, json_path, monitor.final)
     return 0
 
 
@@ -83,7 +119,7 @@ def run_local(
     producer_options: Callable[[argparse.Namespace, str, int], ProducerOptions],
 ) -> int:
     """The main job: a trainer and ``--producers`` producer processes on loopback."""
-    from consumer.progress import Progress
+    from consumer.monitor import Monitor
     from consumer.trainer import Trainer
 
     ipc_path = None
@@ -94,14 +130,15 @@ def run_local(
         bind = "tcp://127.0.0.1:*"
     options = trainer_options(args, bind)
     # Validate the producers' options before anything starts (endpoint filled in below).
-    producer_options(args, "tcp://127.0.0.1:1", args.producers)
+    _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
+    monitor = Monitor(observe_options(args))
     stop = threading.Event()
     restore = on_stop_signals(lambda _sig: stop.set())
-    progress = Progress(args.progress_s)
-    trainer = Trainer(options, [progress], _server_configurator(options))
+    trainer = Trainer(options, [monitor], _server_configurator(options))
     pool: ProducerPool | None = None
     started = time.monotonic()
     try:
+        monitor.start(trainer)
         trainer.start()
         pool = ProducerPool(
             producer_options(args, trainer.endpoint, args.producers), logging.getLogger().level
@@ -111,15 +148,17 @@ def run_local(
             trainer.train(stop, health_check=_pool_check(pool))
         except ClosedError:
             log.info("stopped before training started")
-        progress.finish()
     finally:
-        if pool is not None:
-            pool.close()
-        trainer.close()
-        restore()
-        if ipc_path and os.path.exists(ipc_path):
-            os.unlink(ipc_path)
-    _finish(trainer, started, stop, args.json)
+        try:
+            monitor.close()
+        finally:
+            if pool is not None:
+                pool.close()
+            trainer.close()
+            restore()
+            if ipc_path and os.path.exists(ipc_path):
+                os.unlink(ipc_path)
+    _finish(trainer, started, stop, args.json, monitor.final)
     sys.stdout.flush()
     return 0
 

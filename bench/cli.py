@@ -1,0 +1,138 @@
+"""``stagefeed bench steps`` and ``stagefeed bench ingest``: flags, then the run, then a table.
+
+Imports stay light at module level (no TensorFlow): ``stagefeed.cli`` registers this parser
+for every command, including the ones producer processes run. Flags are plain argparse (no
+``STAGEFEED_*`` environment defaults) so a benchmark is reproducible from its command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from bench.config import STEP_MODES, TRANSPORTS, IngestConfig, StepsConfig
+from common.errors import ClosedError
+from common.spec import IMAGE_DTYPES, BatchSpec
+
+log = logging.getLogger("stagefeed.bench")
+STOPPED = 130  # exit status after Ctrl-C / SIGTERM, as a shell reports SIGINT
+
+
+def _list_of(kind: Callable[[str], Any]) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+    return parse
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", default=None, help="write every figure as JSON to this path")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"), help="train on")
+    p.add_argument("--image-size", type=int, default=227, help="image height and width")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``bench`` and its two subcommands on the ``stagefeed`` command line."""
+    bench = subparsers.add_parser("bench", help="benchmarks: the seed's table, feed capacity")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+
+    p = sub.add_parser("steps", help="ms/step of AlexNet for each input mode, in one run")
+    p.add_argument(
+        "--modes",
+        type=_list_of(str),
+        default=STEP_MODES,
+        help=f"comma-separated subset of {','.join(STEP_MODES)} [default: all]",
+    )
+    p.add_argument("--batch-size", type=int, default=64, help="images per batch [64]")
+    p.add_argument("--dtype", default="float32", choices=IMAGE_DTYPES, help="image dtype")
+    p.add_argument("--steps", type=int, default=24, help="timed steps per mode [24]")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per mode [2]")
+    p.add_argument(
+        "--rounds", type=int, default=0, help="interleaved blocks per mode [0: one per step]"
+    )
+    p.add_argument("--producers", type=int, default=2, help="stagefeed producers [2]")
+    p.add_argument("--recv-threads", type=int, default=2, help="stagefeed receive threads [2]")
+    p.add_argument("--transport", default="tcp", choices=TRANSPORTS, help="stagefeed loopback")
+    p.add_argument("--queue-mb", type=float, default=1024.0, help="queue budget, MiB [1024]")
+    p.add_argument(
+        "--seed-prestage", type=int, default=1, help="batches seed-staging stages first [1]"
+    )
+    _common(p)
+    p.set_defaults(func=_steps)
+
+    p = sub.add_parser("ingest", help="GB/s the feed path delivers, next to raw pyzmq, memcpy")
+    p.add_argument("--dtypes", type=_list_of(str), default=IMAGE_DTYPES, help="float32,uint8")
+    p.add_argument("--producers", type=_list_of(int), default=(1, 2, 4), help="e.g. 1,2,4")
+    p.add_argument("--transports", type=_list_of(str), default=TRANSPORTS, help="tcp,ipc")
+    p.add_argument("--batch-size", type=int, default=256, help="images per batch [256]")
+    p.add_argument("--gb", type=float, default=3.0, help="GB moved per timed measurement [3]")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per peer; median [3]")
+    _common(p)
+    p.set_defaults(func=_ingest)
+
+
+def _steps(args: argparse.Namespace) -> int:
+    from bench.report import write_json
+    from bench.steps import run_steps
+    from bench.table import steps_table
+
+    config = StepsConfig(
+        modes=tuple(args.modes),
+        spec=_spec(args, args.batch_size, args.dtype),
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        rounds=args.rounds,
+        producers=args.producers,
+        recv_threads=args.recv_threads,
+        transport=args.transport,
+        queue_mb=args.queue_mb,
+        seed_prestage=args.seed_prestage,
+        device=args.device,
+    )
+    try:
+        report = run_steps(config, logging.getLogger().level)
+    except ClosedError:
+        log.warning("bench steps stopped before it finished: nothing to report")
+        return STOPPED
+    print(steps_table(report), flush=True)
+    if args.json:
+        write_json(report, args.json)
+    return 0
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    from bench.ingest import run_ingest
+    from bench.report import write_json
+    from bench.table import ingest_table
+
+    config = IngestConfig(
+        dtypes=tuple(args.dtypes),
+        producers=tuple(args.producers),
+        transports=tuple(args.transports),
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        gb=args.gb,
+        repeats=args.repeats,
+        device=args.device,
+    )
+    try:
+        report = run_ingest(config, logging.getLogger().level)
+    except ClosedError:
+        log.warning("bench ingest stopped before it finished: nothing to report")
+        return STOPPED
+    print(ingest_table(report), flush=True)
+    if args.json:
+        write_json(report, args.json)
+    return 0
+
+
+def _spec(args: argparse.Namespace, batch_size: int, dtype: str) -> BatchSpec:
+    return BatchSpec(
+        batch_size=batch_size, height=args.image_size, width=args.image_size, image_dtype=dtype
+    )

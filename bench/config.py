@@ -1,0 +1,152 @@
+"""Settings of ``bench steps`` and ``bench ingest``: frozen dataclasses validated at construction.
+
+A bad value raises ``ConfigError`` naming it before any process starts. No TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.errors import ConfigError
+from common.spec import IMAGE_DTYPES, BatchSpec
+
+STEP_MODES = (
+    "synthetic-device",
+    "synthetic-host",
+    "feed_dict",
+    "seed-staging",
+    "tf.data",
+    "stagefeed",
+)
+TRANSPORTS = ("tcp", "ipc")
+DEVICES = ("auto", "cpu", "gpu")
+# The seed pre-filled a FIFOQueue of 106 batches before timing.
+SEED_QUEUE_DEPTH = 106
+# consumer.model.check_image_size says the same with TensorFlow imported; checked here so a bad
+# flag fails before any worker process starts.
+MIN_IMAGE_SIZE = 195
+
+
+def check_image_size(height: int, width: int) -> None:
+    if min(height, width) < MIN_IMAGE_SIZE:
+        raise ConfigError(
+            f"AlexNet needs images of at least {MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE} pixels, "
+            f"got {height}x{width}"
+        )
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _subset(name: str, values: tuple, allowed: tuple) -> None:
+    if not values:
+        raise ConfigError(f"{name} is empty; choose from {', '.join(map(str, allowed))}")
+    for value in values:
+        if value not in allowed:
+            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(map(str, allowed))}")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"{name} lists a value twice: {', '.join(map(str, values))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsConfig:
+    """``bench steps``: every mode trains the same AlexNet step on the same batch shape.
+
+    ``steps`` timed steps per mode are split into ``rounds`` blocks (0: one step per block,
+    the finest interleaving); the modes take turns block by block (forward order, then
+    reversed, ...) so load that comes and goes on a shared machine biases none of them.
+    ``queue_mb`` bounds both queue-fed modes (seed-staging and stagefeed) alike.
+    """
+
+    modes: tuple[str, ...] = STEP_MODES
+    spec: BatchSpec = dataclasses.field(default_factory=lambda: BatchSpec(batch_size=64))
+    steps: int = 24
+    warmup_steps: int = 2
+    rounds: int = 0
+    producers: int = 2
+    recv_threads: int = 2
+    transport: str = "tcp"
+    queue_mb: float = 1024.0
+    seed_prestage: int = 1
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _subset("modes", self.modes, STEP_MODES)
+        _at_least("steps", self.steps, 1)
+        _at_least("warmup_steps", self.warmup_steps, 0)
+        _at_least("rounds", self.rounds, 0)
+        if self.rounds > self.steps:
+            raise ConfigError(f"rounds={self.rounds} exceeds steps={self.steps}")
+        _at_least("producers", self.producers, 1)
+        _at_least("recv_threads", self.recv_threads, 1)
+        _at_least("seed_prestage", self.seed_prestage, 0)
+        _subset("transport", (self.transport,), TRANSPORTS)
+        _subset("device", (self.device,), DEVICES)
+        check_image_size(self.spec.height, self.spec.width)
+        if self.queue_mb * 2**20 < self.spec.batch_bytes:
+            batch_mib = self.spec.batch_bytes / 2**20
+            raise ConfigError(f"queue_mb={self.queue_mb} holds no batch of {batch_mib:.1f} MiB")
+
+    @property
+    def queue_capacity(self) -> int:
+        """Batches the queue-fed modes hold (the seed's 106 at most)."""
+        return max(1, min(SEED_QUEUE_DEPTH, int(self.queue_mb * 2**20) // self.spec.batch_bytes))
+
+    @property
+    def round_count(self) -> int:
+        return self.rounds or self.steps
+
+    def blocks(self) -> list[int]:
+        """Timed steps per round, summing to ``steps``."""
+        base, extra = divmod(self.steps, self.round_count)
+        return [base + (1 if r < extra else 0) for r in range(self.round_count)]
+
+
+@dataclasses.dataclass(frozen=True)
+class IngestConfig:
+    """``bench ingest``: one measurement per (dtype, producers, transport).
+
+    ``producers`` producer processes feed as many receive threads; ``gb`` is how many bytes
+    (1e9) each timed measurement moves, after warm-up batches that drain the start-up buffers;
+    ``repeats`` measurements of each peer (alternating order) give the reported medians.
+    """
+
+    dtypes: tuple[str, ...] = IMAGE_DTYPES
+    producers: tuple[int, ...] = (1, 2, 4)
+    transports: tuple[str, ...] = TRANSPORTS
+    batch_size: int = 256
+    image_size: int = 227
+    gb: float = 3.0
+    repeats: int = 3
+    memcpy_repeats: int = 10
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _subset("dtypes", self.dtypes, IMAGE_DTYPES)
+        _subset("transports", self.transports, TRANSPORTS)
+        if not self.producers or any(
+            not isinstance(p, int) or not 1 <= p <= 16 for p in self.producers
+        ):
+            raise ConfigError(f"producers must be integers in [1, 16], got {self.producers!r}")
+        _at_least("batch_size", self.batch_size, 1)
+        _at_least("memcpy_repeats", self.memcpy_repeats, 1)
+        _at_least("repeats", self.repeats, 1)
+        _subset("device", (self.device,), DEVICES)
+        if not isinstance(self.gb, (int, float)) or not 0 < self.gb <= 1000:
+            raise ConfigError(f"gb must be in (0, 1000], got {self.gb!r}")
+        self.spec(self.dtypes[0])  # validates batch_size and image_size
+        check_image_size(self.image_size, self.image_size)
+
+    def spec(self, dtype: str) -> BatchSpec:
+        return BatchSpec(
+            batch_size=self.batch_size,
+            height=self.image_size,
+            width=self.image_size,
+            image_dtype=dtype,
+        )
+
+    def batches_for(self, dtype: str) -> int:
+        """Timed batches for ``gb`` bytes of ``dtype`` batches (at least 3)."""
+        return max(3, round(self.gb * 1e9 / self.spec(dtype).batch_bytes))

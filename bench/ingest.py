@@ -1,0 +1,238 @@
+"""``bench ingest``: how many GB/s producers -> ZeroMQ -> receive threads -> FIFOQueue deliver.
+
+The trainer is the real one (``consumer.trainer.Trainer`` with its receive pool, FIFOQueue
+and StagingArea) with the train op replaced by a trivial consumer, so a step costs almost
+nothing and the step rate is the delivery rate. Each measurement is reported next to raw
+pyzmq for the same messages, transport and sender count, measured just before or after it
+(the order alternates), and next to single-core memcpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from bench.config import IngestConfig
+from bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
+from bench.report import machine
+from common.errors import BrokenError, ClosedError
+from common.lifecycle import on_stop_signals
+from common.options import ProducerOptions, TrainerOptions
+from common.spec import BatchSpec
+from consumer.trainer import StepRecord, Trainer
+from producer.pool import ProducerPool
+
+log = logging.getLogger(__name__)
+
+STAGE_DEPTH = 1
+
+
+def trivial_step(
+    images: tf.Tensor, labels: tf.Tensor, spec: BatchSpec
+) -> tuple[tf.Tensor, tf.Operation]:
+    """Reads the labels and one pixel of every image: proves the batch arrived, costs ~nothing."""
+    del spec
+    probe = tf.reduce_sum(tf.cast(images[:, 0, 0, 0], tf.float32))
+    loss = tf.cast(tf.reduce_max(labels), tf.float32) + 0.0 * probe
+    return loss, loss.op
+
+
+class _Clock:
+    """A ``StepObserver`` that picks the timed steps and ends training after ``count``.
+
+    Timing starts ``warmup`` steps after every producer has been heard from, so producers
+    that start late, and batches buffered while the trainer started, fall in the warm-up.
+    """
+
+    def __init__(self, producers: int, warmup: int, count: int, outer: threading.Event):
+        self.producers, self.warmup, self.count = producers, warmup, count
+        self.outer = outer
+        self.done = threading.Event()
+        self.all_seen_at_step: int | None = None
+        self.start_at: float | None = None
+        self.timed: list[StepRecord] = []
+
+    def on_step(self, record: StepRecord, trainer: Trainer) -> None:
+        if self.all_seen_at_step is None and trainer.ledger.producer_count() >= self.producers:
+            self.all_seen_at_step = record.step
+        if self.all_seen_at_step is not None:
+            if record.step == self.all_seen_at_step + self.warmup:
+                self.start_at = record.at
+            elif self.start_at is not None:
+                self.timed.append(record)
+        if len(self.timed) >= self.count or self.outer.is_set():
+            self.done.set()
+
+
+def measure_stagefeed(
+    spec: BatchSpec,
+    producers: int,
+    transport: str,
+    count: int,
+    device: str,
+    stop: threading.Event,
+    log_level: int = logging.WARNING,
+) -> dict[str, Any]:
+    """GB/s over ``count`` consumed batches, timed once the start-up buffers were drained.
+
+    Warm-up drains what the queue, staging area, receive threads, proxy and ZeroMQ pipes
+    can hold, so the timed steps wait on delivery alone. Receive threads = producers.
+    """
+    capacity = max(2, producers)
+    buffered = capacity + STAGE_DEPTH + 1 + 2 * producers + producers  # + proxy, pipes
+    bind, ipc_path = endpoint_for(transport, "ingest")
+    options = TrainerOptions(
+        bind=bind,
+        spec=spec,
+        recv_threads=producers,
+        steps=0,  # until the clock says done
+        warmup_steps=0,  # the clock decides which steps are timed
+        queue_mb=(capacity * spec.batch_bytes + 1) / 2**20,
+        stage_depth=STAGE_DEPTH,
+        device=device,
+    )
+    clock = _Clock(producers, buffered + 2, count, stop)
+    trainer = Trainer(options, [clock], step_builder=trivial_step)
+    pool: ProducerPool | None = None
+    try:
+        trainer.start()
+        pool = ProducerPool(
+            ProducerOptions(
+                connect=trainer.endpoint,
+                workers=producers,
+                spec=spec,
+                inflight_mb=2 * spec.batch_bytes / 2**20,
+            ),
+            log_level,
+        ).start()
+        trainer.train(clock.done, health_check=lambda: _check_pool(pool))
+    finally:
+        if pool is not None:
+            pool.close()
+        trainer.close()
+        if ipc_path and os.path.exists(ipc_path):
+            os.unlink(ipc_path)
+    if stop.is_set() or len(clock.timed) < count or clock.start_at is None:
+        raise ClosedError(f"stopped after {len(clock.timed)} of {count} timed batches")
+    elapsed = clock.timed[-1].at - clock.start_at
+    totals = trainer.ledger.totals()
+    return {
+        "batches": count,
+        "warmup_batches": clock.timed[0].step - 1,
+        "bytes": count * spec.batch_bytes,
+        "seconds": round(elapsed, 4),
+        "gb_per_s": round(count * spec.batch_bytes / elapsed / 1e9, 3),
+        # The consumer is far faster than delivery, so this is near 100%: it says the step
+        # waited on delivery, i.e. the figure is the feed path's, not the consumer's.
+        "consumer_wait_pct": round(100 * sum(r.wait_s for r in clock.timed) / elapsed, 2),
+        "received": totals["received"],
+        "dropped": totals["dropped"],
+        "device": trainer.device,
+    }
+
+
+def _check_pool(pool: ProducerPool) -> None:
+    if not pool.alive():
+        pool.wait(0)  # raises BrokenError if one failed
+        raise BrokenError("all producers ended")
+
+
+def _compare(
+    config: IngestConfig,
+    spec: BatchSpec,
+    transport: str,
+    producers: int,
+    raw_first: bool,
+    stop: threading.Event,
+    log_level: int,
+) -> dict[str, Any]:
+    """Raw pyzmq and stagefeed, ``config.repeats`` times each in alternating order; medians."""
+    count = config.batches_for(spec.image_dtype)
+    samples: dict[str, list[dict[str, Any]]] = {"raw": [], "stagefeed": []}
+    for repeat in range(config.repeats):
+        raw_now = raw_first == (repeat % 2 == 0)
+        for which in ("raw", "stagefeed") if raw_now else ("stagefeed", "raw"):
+            if stop.is_set():
+                raise ClosedError("stop requested")
+            if which == "raw":
+                samples["raw"].append(measure_raw(spec, producers, transport, count, log_level))
+            else:
+                samples["stagefeed"].append(
+                    measure_stagefeed(
+                        spec, producers, transport, count, config.device, stop, log_level
+                    )
+                )
+    result: dict[str, Any] = {}
+    for which, runs in samples.items():
+        result[which] = {
+            "gb_per_s": round(statistics.median(r["gb_per_s"] for r in runs), 3),
+            "samples": runs,
+        }
+    result["ratio"] = round(result["stagefeed"]["gb_per_s"] / result["raw"]["gb_per_s"], 3)
+    result["raw_first"] = raw_first
+    return result
+
+
+def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str, Any]:
+    """Every (dtype, transport, producers) measurement; Ctrl-C stops between measurements."""
+    conditions = machine()
+    stop = threading.Event()
+    restore = on_stop_signals(lambda _sig: stop.set())
+    runs: list[dict[str, Any]] = []
+    memcpy: dict[str, Any] = {}
+    started = time.monotonic()
+    try:
+        combos = itertools.product(config.dtypes, config.transports, config.producers)
+        for index, (dtype, transport, producers) in enumerate(combos):
+            if stop.is_set():
+                raise ClosedError("stop requested")
+            spec = config.spec(dtype)
+            if dtype not in memcpy:
+                memcpy[dtype] = measure_memcpy(spec, config.memcpy_repeats)
+            run: dict[str, Any] = {
+                "dtype": dtype,
+                "batch_mb": round(spec.batch_bytes / 1e6, 2),
+                "transport": transport,
+                "producers": producers,
+                "recv_threads": producers,
+                "batches_per_measurement": config.batches_for(dtype),
+            }
+            raw_first = index % 2 == 0
+            run.update(_compare(config, spec, transport, producers, raw_first, stop, log_level))
+            log.info(
+                "%s %s x%d: raw %.3f GB/s, stagefeed %.3f GB/s (%.2fx)",
+                dtype,
+                transport,
+                producers,
+                run["raw"]["gb_per_s"],
+                run["stagefeed"]["gb_per_s"],
+                run["ratio"],
+            )
+            runs.append(run)
+    finally:
+        restore()
+    conditions["load_avg_1m_end"] = machine()["load_avg_1m"]
+    conditions["wall_s"] = round(time.monotonic() - started, 1)
+    return {
+        "benchmark": "ingest",
+        "settings": {
+            "dtypes": list(config.dtypes),
+            "producers": list(config.producers),
+            "transports": list(config.transports),
+            "batch_size": config.batch_size,
+            "image_size": config.image_size,
+            "gb_per_measurement": config.gb,
+            "repeats": config.repeats,
+        },
+        "machine": conditions,
+        "tensorflow": tf.__version__,
+        "memcpy": memcpy,
+        "runs": runs,
+    }

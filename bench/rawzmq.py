@@ -1,0 +1,152 @@
+"""The peers ``bench ingest`` compares against: raw pyzmq between processes, and memcpy.
+
+Raw pyzmq is the transport's ceiling for stagefeed's own messages (same header and frames,
+same transport, same socket options on the receiving side): sender processes push one
+prebuilt message zero-copy in a loop, the receiver takes it zero-copy and drops it. No
+TensorFlow here: this module is imported by the spawned sender processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from common import protocol
+from common.errors import BrokenError
+from common.lifecycle import stop_processes
+from common.logs import setup_logging
+from common.spec import BatchSpec
+from producer.sources import SyntheticSource
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100
+RECV_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 5.0
+SENDER_HWM = 2  # as many unsent messages as bench ingest's producers may hold
+
+
+def endpoint_for(transport: str, tag: str) -> tuple[str, str | None]:
+    """(bind address, ipc path or None) on loopback."""
+    if transport == "ipc":
+        path = os.path.join(tempfile.gettempdir(), f"stagefeed-bench-{tag}-{os.getpid()}")
+        return f"ipc://{path}", path
+    return "tcp://127.0.0.1:*", None
+
+
+def sender_main(endpoint: str, spec: BatchSpec, index: int, stop: Any, log_level: int) -> None:
+    """A raw sender process: one message built once, sent zero-copy until ``stop``."""
+    setup_logging(log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown
+    arrays = next(iter(SyntheticSource(spec, pool_size=1, seed=index)))
+    frames = protocol.encode(f"raw-{index}", 0, arrays)
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, SENDER_HWM)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    parent = os.getppid()
+    try:
+        while not stop.is_set() and os.getppid() == parent:
+            if sock.poll(POLL_MS, zmq.POLLOUT):
+                sock.send_multipart(frames, copy=False)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def measure_raw(
+    spec: BatchSpec, senders: int, transport: str, count: int, log_level: int = logging.WARNING
+) -> dict[str, Any]:
+    """GB/s (1e9 B) of ``count`` messages, timed once every sender has been heard from.
+
+    Warm-up: until each sender's first message arrived, then ``2 x senders`` more.
+    """
+    ctx = zmq.Context(io_threads=min(4, senders))  # as the receive pool's context
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.LINGER, 0)
+    address, ipc_path = endpoint_for(transport, "raw")
+    sock.bind(address)
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    mp = multiprocessing.get_context("spawn")
+    stop = mp.Event()
+    procs: list[Any] = []
+    try:
+        for i in range(senders):
+            proc = mp.Process(
+                target=sender_main,
+                args=(endpoint, spec, i, stop, log_level),
+                name=f"bench-raw-sender-{i}",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+        seen: set[str] = set()
+        warmup = 0
+        while len(seen) < senders:
+            seen.add(protocol.decode(_recv(sock, procs)).producer)
+            warmup += 1
+        for _ in range(2 * senders):
+            _recv(sock, procs)
+            warmup += 1
+        received = 0
+        started = time.perf_counter()
+        for _ in range(count):
+            frames = _recv(sock, procs)
+            received += sum(memoryview(f).nbytes for f in frames[1:])
+        elapsed = time.perf_counter() - started
+    finally:
+        stop.set()
+        sock.close(linger=0)
+        stop_processes(procs, STOP_TIMEOUT_S)
+        ctx.term()
+        if ipc_path and os.path.exists(ipc_path):
+            os.unlink(ipc_path)
+    return {
+        "messages": count,
+        "warmup_messages": warmup,
+        "bytes": received,
+        "seconds": round(elapsed, 4),
+        "gb_per_s": round(received / elapsed / 1e9, 3),
+    }
+
+
+def _recv(sock: zmq.Socket, procs: list) -> list:
+    deadline = time.monotonic() + RECV_TIMEOUT_S
+    while not sock.poll(POLL_MS):
+        dead = [p.name for p in procs if not p.is_alive()]
+        if dead:
+            raise BrokenError(f"raw sender processes ended: {', '.join(dead)}")
+        if time.monotonic() > deadline:
+            raise BrokenError(f"no raw message within {RECV_TIMEOUT_S:.0f} s")
+    return sock.recv_multipart(copy=False)
+
+
+def measure_memcpy(spec: BatchSpec, repeats: int) -> dict[str, Any]:
+    """Single-core ``np.copyto`` of one batch's images into a preallocated array."""
+    source = np.empty(spec.image_shape, dtype=spec.image_dtype)
+    source.fill(1)
+    target = np.empty_like(source)
+    np.copyto(target, source)  # fault the target's pages in before timing
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - started)
+    best, median = min(times), sorted(times)[len(times) // 2]
+    return {
+        "bytes": source.nbytes,
+        "repeats": repeats,
+        "median_ms": round(median * 1000, 3),
+        "gb_per_s": round(source.nbytes / median / 1e9, 3),
+        "best_gb_per_s": round(source.nbytes / best / 1e9, 3),
+    }

@@ -1,0 +1,107 @@
+"""Plain-text tables of bench reports, shaped like the seed's (markdown, so docs can quote them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODE_MEANING = {
+    "synthetic-device": "random tensors made on the training device, held in a variable",
+    "synthetic-host": "the same made on the CPU, copied to the device every step",
+    "feed_dict": "a numpy batch fed through placeholders every step",
+    "seed-staging": "the seed's Python thread -> FIFOQueue -> StagingArea, put grouped",
+    "tf.data": "Dataset.from_generator over numpy batches + prefetch",
+    "stagefeed": "producer processes -> ZeroMQ -> receive pool -> FIFOQueue -> StagingArea",
+}
+
+
+def _cell(value: Any, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value}{suffix}"
+
+
+def steps_table(report: dict[str, Any]) -> str:
+    s, spec = report["settings"], report["settings"]["spec"]
+    m = report["machine"]
+    lines = [
+        f"stagefeed bench steps: AlexNet, batch {spec['batch_size']} x {spec['image_dtype']} "
+        f"{spec['height']}x{spec['width']}x{spec['channels']} ({spec['batch_mb']} MB), "
+        f"device {report['device']}, TF {report['tensorflow']}",
+        f"{s['steps']} timed steps per mode in {s['rounds']} interleaved rounds, after "
+        f"{s['warmup_steps']} warm-up steps; {m['cpus']} CPUs ({m['cpu']}), load "
+        f"{m['load_avg_1m']} -> {m.get('load_avg_1m_end', '?')}, {m['date']}",
+        "",
+        "| mode | median ms/step | p10 | p90 | images/s | x synthetic-device | stall % |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, f in report["modes"].items():
+        lines.append(
+            f"| {name} | {_cell(f['median_ms'])} | {_cell(f['p10_ms'])} | {_cell(f['p90_ms'])} "
+            f"| {_cell(f['images_per_s'])} | {_cell(f['ratio'])} | {_cell(f['stall_pct'])} |"
+        )
+    lines.append("")
+    lines += [f"  {name}: {MODE_MEANING[name]}" for name in report["modes"]]
+    notes = []
+    if report["device"].startswith("/cpu"):
+        notes.append(
+            "CPU-only: synthetic-host is the same as synthetic-device (no host-to-device "
+            "copy exists) and tf.data runs without prefetch_to_device."
+        )
+        gauge = report["modes"].get("synthetic-host", {}).get("ratio")
+        if gauge is not None and "synthetic-device" in report["modes"]:
+            notes.append(
+                f"noise gauge: synthetic-host does synthetic-device's exact work here, so its "
+                f"ratio ({gauge}) shows how far this run's noise alone moves a ratio."
+            )
+    if "stagefeed" in report["modes"]:
+        i = report["modes"]["stagefeed"]["info"]
+        notes.append(
+            f"stagefeed: {i.get('producers')} producers, {i.get('recv_threads')} receive "
+            f"threads, queue {i.get('queue_capacity')} batches, staging depth "
+            f"{i.get('stage_depth')}, {s['transport']}."
+        )
+    feed_cpu = [
+        f"{name} {f['feed_cpu_ms_per_step']}"
+        for name, f in report["modes"].items()
+        if f.get("feed_cpu_ms_per_step") is not None
+    ]
+    reference = report["modes"].get("synthetic-device", {}).get("process_cpu_ms_per_step")
+    if feed_cpu:
+        notes.append(
+            "feed path CPU, core-ms per step: "
+            + ", ".join(feed_cpu)
+            + (f" (synthetic-device's whole step: {reference})" if reference else "")
+            + "; on a CPU-only machine the step pays for it."
+        )
+    notes.append(
+        "stall %: share of step time spent waiting for a batch before session.run; n/a where "
+        "the wait happens inside session.run and cannot be told apart from compute."
+    )
+    lines += ["", *[f"note: {n}" for n in notes]]
+    return "\n".join(lines)
+
+
+def ingest_table(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [
+        f"stagefeed bench ingest: batch {report['settings']['batch_size']} images, GB = 1e9 "
+        f"bytes; {m['cpus']} CPUs ({m['cpu']}), load {m['load_avg_1m']} -> "
+        f"{m.get('load_avg_1m_end', '?')}, {m['date']}",
+        "",
+        "| dtype | MB/batch | transport | producers = recv threads | raw pyzmq GB/s "
+        "| stagefeed GB/s | stagefeed / raw | memcpy GB/s (1 core) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["runs"]:
+        memcpy = report["memcpy"][row["dtype"]]["gb_per_s"]
+        lines.append(
+            f"| {row['dtype']} | {row['batch_mb']} | {row['transport']} | {row['producers']} "
+            f"| {_cell(row['raw']['gb_per_s'])} | {_cell(row['stagefeed']['gb_per_s'])} "
+            f"| {_cell(row['ratio'])} | {_cell(memcpy)} |"
+        )
+    lines += [
+        "",
+        "note: raw pyzmq = the same messages from as many sender processes into one PULL "
+        "socket, zero-copy send and receive, nothing done with them (the transport's ceiling).",
+        "note: stagefeed = producer processes -> ZeroMQ -> proxy -> receive threads -> "
+        "FIFOQueue -> StagingArea, consumed by a step that reads labels and one pixel per image.",
+    ]
+    return "\n".join(lines)

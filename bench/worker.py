@@ -1,0 +1,114 @@
+"""One ``bench steps`` mode in its own process, driven over a pipe by the coordinator.
+
+Protocol (coordinator -> worker): ``("steps", n)`` runs n steps then settles, answered by
+``("done", {"step_s": [...], "wait_s": [...], "settle": {...}, "process_cpu_s": x,
+"feed_cpu_s": y})``; ``("close", 0)`` ends it, even in the middle of a block.
+The first message from the worker is ``("ready", info)``; any failure is ``("error", text)``.
+TensorFlow is imported inside the worker only, never by the coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import traceback
+from typing import Any
+
+from bench.config import StepsConfig
+from bench.cpu import process_cpu_s
+from common.errors import ConfigError
+from common.logs import setup_logging
+
+log = logging.getLogger(__name__)
+
+
+def open_mode(name: str, config: StepsConfig, device: str) -> Any:
+    """The mode object for ``name`` (imports TensorFlow)."""
+    from bench import modes
+
+    if name in ("synthetic-device", "synthetic-host"):
+        return modes.SyntheticMode(config, device, on_host=name == "synthetic-host")
+    if name == "feed_dict":
+        return modes.FeedDictMode(config, device)
+    if name == "tf.data":
+        return modes.TfDataMode(config, device)
+    if name == "seed-staging":
+        from bench.seed_staging import SeedStagingMode
+
+        return SeedStagingMode(config, device)
+    if name == "stagefeed":
+        from bench.stagefeed_mode import StagefeedMode
+
+        return StagefeedMode(config, device)
+    raise ConfigError(f"unknown mode {name!r}")
+
+
+class _CloseRequested(Exception):
+    """The coordinator asked to close in the middle of a block (it is stopping)."""
+
+
+def _run_block(mode: Any, count: int, conn: Any) -> dict[str, Any]:
+    """``count`` steps, then settle; CPU seconds spent from the first step to the settle's end
+    by this process and, where the mode can tell, by its feed path (any process).
+
+    Between steps the pipe is checked: the only message that can arrive mid-block is
+    ``close``, and it ends the block at once."""
+    feed_cpu = getattr(mode, "feed_cpu_s", lambda: None)
+    cpu_before, feed_before = process_cpu_s(), feed_cpu()
+    step_s, wait_s = [], []
+    for _ in range(count):
+        if conn.poll():
+            raise _CloseRequested
+        total, waited = mode.step()
+        step_s.append(total)
+        wait_s.append(waited)
+    settle = mode.settle()
+    cpu_after, feed_after = process_cpu_s(), feed_cpu()
+    return {
+        "step_s": step_s,
+        "wait_s": wait_s,
+        "settle": settle,
+        "process_cpu_s": _delta(cpu_before, cpu_after),
+        "feed_cpu_s": _delta(feed_before, feed_after),
+    }
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> None:
+    """Process entry point. The coordinator owns shutdown: SIGINT is ignored here."""
+    setup_logging(log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mode = None
+    try:
+        import tensorflow as tf
+
+        from consumer.graph import pick_device
+
+        device = pick_device(config.device)
+        mode = open_mode(name, config, device)
+        info = mode.setup()
+        info.update({"device": device, "tensorflow": tf.__version__})
+        conn.send(("ready", info))
+        while True:
+            command, count = conn.recv()
+            if command == "close":
+                break
+            conn.send(("done", _run_block(mode, count, conn)))
+    except _CloseRequested:
+        log.info("%s worker closing mid-block", name)
+    except EOFError:
+        log.warning("bench coordinator went away; %s worker stopping", name)
+    except Exception as exc:  # noqa: BLE001 - sent to the coordinator, which raises it
+        log.debug("mode %s failed", name, exc_info=True)
+        kind = "config" if isinstance(exc, ConfigError) else "error"
+        try:
+            conn.send((kind, f"{name}: {exc!r}\n{traceback.format_exc(limit=8)}"))
+        except (BrokenPipeError, EOFError, OSError):
+            pass
+    finally:
+        if mode is not None:
+            mode.close()
+        conn.close()

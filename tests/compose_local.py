@@ -1,0 +1,187 @@
+"""Read docker/compose.yaml and the Dockerfiles, and turn a service into a local process.
+
+No Docker engine here, so a service runs as what its container would run: the image's
+ENTRYPOINT + ENV (from its Dockerfile) and the service's command + environment (from the
+compose file, interpolated like compose does). What only a container has is mapped onto this
+machine, and nothing else is changed:
+
+- service names and the container's wildcard address -> 127.0.0.1 (loopback only);
+- a named volume -> a directory under the test's tmp_path, the same for every service that
+  mounts it; paths under its mount point, in the environment or the command, point there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.conftest import REPO, cli_env
+
+DOCKER_DIR = Path(REPO) / "docker"
+COMPOSE_FILE = DOCKER_DIR / "compose.yaml"
+
+# The interpolation forms compose.yaml may use: ${NAME}, ${NAME:-default} and $$.
+_VARIABLE = re.compile(r"\$(?:\{(?P<name>[A-Za-z_]\w*)(?P<dflt>:-[^}]*)?\}|(?P<dollar>\$))")
+_TCP = re.compile(r"tcp://(?P<host>[^:/]+):(?P<port>\d+)")
+# Names that reach a container of this project (service names, network aliases) and the
+# container's own wildcard address: all of them are loopback when the services run here.
+_LOCAL_HOSTS = {"*", "0.0.0.0", "trainer", "trainer-gpu", "producer"}
+
+
+def load_compose() -> dict[str, Any]:
+    with open(COMPOSE_FILE, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def interpolate(text: str, env: Mapping[str, str]) -> str:
+    """Compose's variable substitution; any other use of ``$`` is an error (not silently kept)."""
+    out, pos = [], 0
+    for dollar in re.finditer(r"\$", text):
+        if dollar.start() < pos:
+            continue
+        match = _VARIABLE.match(text, dollar.start())
+        if match is None:
+            raise ValueError(f"unsupported interpolation in {text!r} at {dollar.start()}")
+        out.append(text[pos : match.start()])
+        if match["dollar"]:
+            out.append("$")
+        elif match["dflt"] is not None:
+            out.append(env.get(match["name"]) or match["dflt"][2:])
+        else:
+            out.append(env.get(match["name"], ""))
+        pos = match.end()
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def interpolated(node: Any, env: Mapping[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, dict):
+        return {key: interpolated(value, env) for key, value in node.items()}
+    if isinstance(node, list):
+        return [interpolated(value, env) for value in node]
+    return node
+
+
+def variables_used() -> set[str]:
+    """Every variable name compose.yaml interpolates."""
+    return {m["name"] for m in _VARIABLE.finditer(COMPOSE_FILE.read_text()) if m["name"]}
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    logical, current = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        logical.append(current + line)
+        current = ""
+    pairs = []
+    for line in logical:
+        instruction, _, args = line.partition(" ")
+        pairs.append((instruction.upper(), args.strip()))
+    return pairs
+
+
+def dockerfile_env(path: Path) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for instruction, args in dockerfile_instructions(path):
+        if instruction == "ENV":
+            for item in shlex.split(args):
+                key, sep, value = item.partition("=")
+                assert sep, f"{path.name}: use ENV KEY=VALUE, got {item!r}"
+                env[key] = value
+    return env
+
+
+def dockerfile_entrypoint(path: Path) -> list[str]:
+    entries = [args for ins, args in dockerfile_instructions(path) if ins == "ENTRYPOINT"]
+    assert entries, f"{path.name} has no ENTRYPOINT"
+    return json.loads(entries[-1])  # exec form: a JSON array
+
+
+def dockerfile_of(service: Mapping[str, Any]) -> Path:
+    build = service["build"]
+    return (DOCKER_DIR / build["context"] / build["dockerfile"]).resolve()
+
+
+@dataclasses.dataclass
+class LocalService:
+    """A compose service as a local command: CLI arguments (after ``stagefeed``) and env."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    healthcheck_args: list[str] | None
+    volumes: dict[str, Path]  # mount point in the container -> local directory
+
+
+def local_service(name: str, variables: Mapping[str, str], tmp: Path) -> LocalService:
+    """Service ``name`` of compose.yaml with ``variables`` as the shell/.env of ``compose up``."""
+    service = interpolated(load_compose()["services"][name], variables)
+    dockerfile = dockerfile_of(service)
+    argv = dockerfile_entrypoint(dockerfile) + list(service.get("command") or [])
+    assert argv[0] == "stagefeed", f"{name}: the image must start stagefeed, got {argv}"
+    volumes = {}
+    for spec in service.get("volumes", []):
+        source, target = spec.split(":")[:2]
+        assert re.fullmatch(r"[\w.-]+", source), f"{name}: {source!r} is not a named volume"
+        local = tmp / "volumes" / source  # shared by every service that mounts it, as in Docker
+        local.mkdir(parents=True, exist_ok=True)
+        volumes[target] = local
+    env = dockerfile_env(dockerfile)
+    for key, value in (service.get("environment") or {}).items():
+        if value is not None:
+            env[key] = _to_local(str(value), volumes)
+    health = None
+    if "healthcheck" in service:
+        test = service["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "stagefeed"], f"{name}: healthcheck must exec stagefeed"
+        health = test[2:]
+    args = [_to_local(arg, volumes) for arg in argv[1:]]
+    return LocalService(name, args, cli_env(**env), health, volumes)
+
+
+def _to_local(value: str, volumes: Mapping[str, Path]) -> str:
+    def loopback(m: re.Match[str]) -> str:
+        local = m["host"] in _LOCAL_HOSTS
+        return f"tcp://127.0.0.1:{m['port']}" if local else m[0]
+
+    value = _TCP.sub(loopback, value)
+    for target, local in volumes.items():
+        if value == target or value.startswith(target.rstrip("/") + "/"):
+            return str(local) + value[len(target.rstrip("/")) :]
+    return value
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or a parent directory decides."""
+    parts = path.strip("/").split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        regex = _glob_regex(pattern.lstrip("!").strip("/"))
+        if any(regex.fullmatch(candidate) for candidate in candidates):
+            ignored = not negate
+    return ignored
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    glob = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+    tokens = re.split(r"(\*\*/|\*\*|\*|\?)", pattern)
+    return re.compile("".join(glob.get(token, re.escape(token)) for token in tokens))

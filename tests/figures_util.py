@@ -1,0 +1,61 @@
+"""Windows of figures built the way the Monitor builds them: two snapshots, then
+``figures_between``. Only the inputs are chosen here; every figure is computed by the product."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from consumer.figures import (
+    Figures,
+    ProducerTotals,
+    Snapshot,
+    StepTotals,
+    empty_snapshot,
+    figures_between,
+)
+
+BATCH_BYTES = 2 * 227 * 227 * 3 * 4  # --batch-size 2, float32
+
+
+def window(
+    seconds: float = 10.0,
+    steps: int = 20,
+    wait_s: float = 0.0,
+    step_s: float = 2.0,
+    per_producer: dict[str, int] | None = None,
+    queue_batches: int = 0,
+    queue_sum: int = 0,
+    full_steps: int = 0,
+    capacity: int = 100,
+    dropped: dict[str, int] | None = None,
+    seq_missing: int = 0,
+    batch_bytes: int = BATCH_BYTES,
+    image_dtype: str = "float32",
+    producer_capacity_per_s: float = float("nan"),
+) -> Figures:
+    """Figures of a window of ``seconds`` in which ``per_producer`` batches were received."""
+    per_producer = {"p0": 20} if per_producer is None else per_producer
+    received = sum(per_producer.values())
+    end = Snapshot(
+        at=1000.0 + seconds,
+        steps=StepTotals(
+            steps=steps,
+            last_step=steps,
+            wait_s=wait_s,
+            step_s=step_s,
+            queue_sum=queue_sum,
+            full_steps=full_steps,
+            loss=6.9,
+        ),
+        queue_batches=queue_batches,
+        received=received,
+        received_bytes=received * batch_bytes,
+        seq_missing=seq_missing,
+        dropped=dict(dropped or {}),
+        producers={name: ProducerTotals(n, n, 0) for name, n in per_producer.items()},
+    )
+    f = figures_between(empty_snapshot(1000.0), end, 2, batch_bytes, image_dtype, capacity)
+    if not math.isnan(producer_capacity_per_s):
+        f = dataclasses.replace(f, producer_capacity_per_s=producer_capacity_per_s)
+    return f

@@ -1,0 +1,255 @@
+"""Helpers for tests that run real stagefeed processes: trees, memory, logs, live counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import TINY, Started, free_tcp_port, wait_for
+
+MIB = 2**20
+# The trainer used by these tests: tiny float32 batches (1.18 MiB), a 4 MiB queue (3 batches).
+BATCH_BYTES = 2 * 227 * 227 * 3 * 4 + 2 * 4
+QUEUE_MB = 4
+TRAINER_FLAGS = [*TINY, "--steps", "0", "--queue-mb", str(QUEUE_MB), "--progress-s", "1"]
+# glibc keeps freed batch-sized buffers in its per-thread arenas (its mmap threshold rises to
+# the size of the last large free), so RSS can sit above the live bytes by a few batches per
+# thread that handles them. Measured here: 5-20 MiB above the bytes in flight.
+ALLOCATOR_ALLOWANCE_MIB = 32
+
+
+def trainer_budget_mib(
+    producers: int, max_message_mb: float = 0.0, stage_depth: int = 2, recv_threads: int = 2
+) -> float:
+    """The trainer's bound on bytes held (``TrainerOptions`` docstring) for these tests."""
+    batch = BATCH_BYTES / MIB
+    message = max_message_mb or batch + 1
+    return QUEUE_MB + (stage_depth + 2 + 4 * recv_threads) * batch + 2 * producers * message
+
+
+class Spawner:
+    """Starts CLI processes (each in its own process group, logging to a file in ``folder``)
+    and ends every group it started at ``kill_all()``: for fixtures of any scope.
+
+    ``kill_all`` asks first (SIGTERM to the group), then kills: a SIGKILL also kills
+    multiprocessing's resource tracker, which would leave the producers' named semaphores in
+    /dev/shm.
+    """
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+        self.started: list[Started] = []
+
+    def __call__(self, args: list[str], name: str = "proc") -> Started:
+        proc = Started(args, log_path=self.folder / f"{name}-{len(self.started)}.log")
+        self.started.append(proc)
+        return proc
+
+    def kill_all(self, grace_s: float = 10.0) -> None:
+        for proc in self.started:
+            if proc.proc.poll() is None:
+                try:
+                    os.killpg(proc.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        deadline = time.monotonic() + grace_s
+        for proc in self.started:
+            try:
+                proc.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            proc.kill_group()
+
+
+def log_text(started) -> str:
+    with open(started.log_path, errors="replace") as f:
+        return f.read()
+
+
+def wait_log(started, pattern: str, timeout: float) -> bool:
+    """True once ``pattern`` (a regex) appears in the process's log; False if it exits first."""
+    regex = re.compile(pattern)
+
+    def seen() -> bool:
+        return bool(regex.search(log_text(started))) or started.proc.poll() is not None
+
+    wait_for(seen, timeout, interval=0.2)
+    return bool(regex.search(log_text(started)))
+
+
+class Trainer:
+    """A ``stagefeed train`` process on loopback with its metrics endpoint and JSON summary."""
+
+    def __init__(self, spawn: Spawner, *extra: str, port: int | None = None, name="trainer"):
+        self.port = port or free_tcp_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.metrics_port = free_tcp_port()
+        self.json_path = str(spawn.folder / f"{name}-{len(spawn.started)}.json")
+        self.started = spawn(
+            [
+                "train",
+                "--bind",
+                self.endpoint,
+                *TRAINER_FLAGS,
+                "--metrics-port",
+                str(self.metrics_port),
+                "--metrics-host",
+                "127.0.0.1",
+                "--json",
+                self.json_path,
+                *extra,
+            ],
+            name=name,
+        )
+        assert wait_log(self.started, r"listening on tcp://", 90), log_text(self.started)
+
+    @property
+    def pid(self) -> int:
+        return self.started.proc.pid
+
+    def metrics(self) -> Metrics:
+        return Metrics.scrape(self.metrics_port)
+
+    def wait_metrics(self, predicate: Callable[[Metrics], bool], timeout: float) -> Metrics:
+        """Scrape until ``predicate`` holds; return the last scrape either way."""
+        last: list[Metrics] = []
+
+        def check() -> bool:
+            last[:] = [self.metrics()]
+            return predicate(last[0])
+
+        wait_for(check, timeout, interval=0.2)
+        return last[0]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> dict:
+        """Signal, wait, and return the JSON summary."""
+        self.started.signal(sig)
+        assert self.started.wait(timeout) == 0, log_text(self.started)
+        with open(self.json_path) as f:
+            return json.load(f)
+
+
+class Metrics:
+    """One scrape of the trainer's Prometheus endpoint (names in docs/observability.md)."""
+
+    def __init__(self, samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
+        self.samples = samples
+
+    @classmethod
+    def scrape(cls, port: int) -> Metrics:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return cls(samples)
+
+    def _by_label(self, name: str, label: str) -> dict[str, int]:
+        return {dict(labels)[label]: int(v) for (n, labels), v in self.samples.items() if n == name}
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        return self._by_label("stagefeed_dropped_messages_total", "reason")
+
+    @property
+    def received(self) -> dict[str, int]:
+        return self._by_label("stagefeed_received_batches_total", "producer")
+
+    @property
+    def trained(self) -> dict[str, int]:
+        return self._by_label("stagefeed_trained_batches_total", "producer")
+
+    @property
+    def missing(self) -> dict[str, int]:
+        return self._by_label("stagefeed_sequence_missing_batches", "producer")
+
+
+def producer_ids_of(worker_pid: int, names: Iterable[str]) -> list[str]:
+    """Producer ids (``host-PID-INDEX-NONCE``) that belong to the worker process ``worker_pid``."""
+    return [n for n in names if re.fullmatch(rf".+-{worker_pid}-\d+-[0-9a-f]{{4}}", n)]
+
+
+def workers_of(started, count: int, timeout: float = 60) -> list[psutil.Process]:
+    """The spawned producer processes of a ``stagefeed produce`` supervisor.
+
+    A worker is a child that runs a producer, not multiprocessing's resource tracker.
+    """
+    parent = psutil.Process(started.proc.pid)
+
+    def workers() -> list[psutil.Process]:
+        found = []
+        for child in parent.children():
+            try:
+                if "resource_tracker" not in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    assert wait_for(lambda: len(workers()) == count, timeout), [p.cmdline() for p in workers()]
+    return workers()
+
+
+def rss_mib(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / MIB
+
+
+def family(started) -> list[psutil.Process]:
+    """The process, its descendants, and anything else in its process group."""
+    root = psutil.Process(started.proc.pid)
+    procs = {root.pid: root}
+    for child in root.children(recursive=True):
+        procs[child.pid] = child
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == root.pid:
+                procs[proc.pid] = proc
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            continue
+    return list(procs.values())
+
+
+def shm_paths(procs: Iterable[psutil.Process]) -> set[str]:
+    """Shared-memory files (/dev/shm) the processes map or hold open.
+
+    Producer workers map multiprocessing's named semaphores (``sem.mp-*``), which exist until
+    the pool is cleaned up; files already unlinked are listed too and never exist.
+    """
+    paths = set()
+    for proc in procs:
+        try:
+            maps = [m.path for m in proc.memory_maps(grouped=True)]
+            files = [f.path for f in proc.open_files()]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        paths.update(p for p in maps + files if p.startswith("/dev/shm/"))
+    return paths
+
+
+def gone_within(procs: Iterable[psutil.Process], timeout: float) -> tuple[bool, float]:
+    """Wait until every process has exited; (all gone, seconds it took)."""
+    began = time.monotonic()
+    procs = list(procs)
+
+    def all_gone() -> bool:
+        return not any(_alive(p) for p in procs)
+
+    ok = wait_for(all_gone, timeout, interval=0.05)
+    return ok, time.monotonic() - began
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

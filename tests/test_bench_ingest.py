@@ -1,0 +1,76 @@
+"""``stagefeed bench ingest`` and its peers (raw pyzmq, memcpy) at tiny sizes: sane figures.
+
+No timing is asserted: each figure must be positive and finite and the counts must add up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.rawzmq import measure_memcpy, measure_raw
+from common.spec import BatchSpec
+from tests.conftest import run_cli
+
+TINY_SPEC = BatchSpec(batch_size=2, image_dtype="uint8")
+
+
+def test_memcpy_copies_one_batch_of_images():
+    result = measure_memcpy(TINY_SPEC, repeats=3)
+    assert result["bytes"] == 2 * 227 * 227 * 3
+    assert result["repeats"] == 3
+    assert math.isfinite(result["gb_per_s"]) and result["gb_per_s"] > 0
+    assert result["best_gb_per_s"] >= result["gb_per_s"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_raw_pyzmq_counts_every_timed_byte(transport):
+    result = measure_raw(TINY_SPEC, senders=2, transport=transport, count=6)
+    assert result["messages"] == 6
+    assert result["bytes"] == 6 * TINY_SPEC.batch_bytes
+    assert result["warmup_messages"] >= 2 + 2 * 2  # each sender heard from, then 2 x senders
+    assert math.isfinite(result["gb_per_s"]) and result["gb_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_ingest_reports_stagefeed_next_to_raw(tmp_path):
+    path = tmp_path / "ingest.json"
+    flags = "--dtypes uint8,float32 --producers 2 --transports ipc --batch-size 2 --gb 0.005"
+    done = run_cli(
+        ["bench", "ingest", *flags.split(), "--repeats", "2", "--json", str(path)], timeout=180
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(path) as f:
+        report = json.load(f)
+    assert [(r["dtype"], r["producers"], r["transport"]) for r in report["runs"]] == [
+        ("uint8", 2, "ipc"),
+        ("float32", 2, "ipc"),
+    ]
+    for run in report["runs"]:
+        spec = BatchSpec(batch_size=2, image_dtype=run["dtype"])
+        count = run["batches_per_measurement"]
+        assert len(run["raw"]["samples"]) == len(run["stagefeed"]["samples"]) == 2
+        for raw, fed in zip(run["raw"]["samples"], run["stagefeed"]["samples"], strict=True):
+            assert raw["messages"] == fed["batches"] == count >= 3
+            assert fed["bytes"] == raw["bytes"] == count * spec.batch_bytes
+            assert fed["dropped"] == 0
+            assert fed["received"] >= fed["warmup_batches"] + count
+        for peer in (run["raw"], run["stagefeed"]):
+            rates = sorted(s["gb_per_s"] for s in peer["samples"])
+            assert all(math.isfinite(r) and r > 0 for r in rates)
+            assert peer["gb_per_s"] == pytest.approx(sum(rates) / 2, abs=0.001)  # the median
+        assert run["ratio"] == pytest.approx(
+            run["stagefeed"]["gb_per_s"] / run["raw"]["gb_per_s"], rel=0.01
+        )
+        assert report["memcpy"][run["dtype"]]["gb_per_s"] > 0
+        assert f"| {run['dtype']} |" in done.stdout
+    # The peers are measured in alternating order so neither always goes first.
+    assert [r["raw_first"] for r in report["runs"]] == [True, False]
+
+
+def test_bad_ingest_flags_name_the_value():
+    done = run_cli(["bench", "ingest", "--transports", "udp"], timeout=60)
+    assert done.returncode == 2
+    assert "udp" in done.stderr

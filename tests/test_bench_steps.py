@@ -1,0 +1,118 @@
+"""``stagefeed bench steps``: every mode runs for real at tiny sizes and yields sane figures.
+
+No timing is asserted: only that each figure exists, is positive and finite, and that the
+counts add up (steps asked = steps timed, one wait per step where waits are measured).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import psutil
+import pytest
+
+from bench.config import STEP_MODES, StepsConfig
+from tests.conftest import run_cli, wait_for
+
+pytestmark = pytest.mark.slow
+
+TINY_STEPS = ["--batch-size", "2", "--steps", "4", "--rounds", "2", "--warmup-steps", "1"]
+
+
+def _bench(tmp_path, modes: list[str], *extra: str) -> tuple[dict, str]:
+    path = tmp_path / "steps.json"
+    args = ["bench", "steps", "--modes", ",".join(modes), *TINY_STEPS, "--queue-mb", "16"]
+    done = run_cli([*args, "--json", str(path), *extra], timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(path) as f:
+        return json.load(f), done.stdout
+
+
+def _check_figures(figures: dict, steps: int, batch_size: int) -> None:
+    assert figures["steps"] == steps == len(figures["step_ms"])
+    assert all(math.isfinite(ms) and ms > 0 for ms in figures["step_ms"])
+    assert 0 < figures["p10_ms"] <= figures["median_ms"] <= figures["p90_ms"]
+    mean_s = sum(figures["step_ms"]) / steps / 1000
+    assert figures["images_per_s"] == pytest.approx(batch_size / mean_s, rel=0.01)
+
+
+@pytest.mark.parametrize("mode", [m for m in STEP_MODES if m != "synthetic-device"])
+def test_mode_yields_figures_and_ratio(tmp_path, mode):
+    """Each mode next to the reference: its figures, and ratio = its median / reference's."""
+    report, table = _bench(tmp_path, ["synthetic-device", mode])
+    assert list(report["modes"]) == ["synthetic-device", mode]
+    reference, figures = report["modes"]["synthetic-device"], report["modes"][mode]
+    for f in (reference, figures):
+        _check_figures(f, 4, 2)
+    assert reference["ratio"] == 1.0
+    assert figures["ratio"] == pytest.approx(figures["median_ms"] / reference["median_ms"], 0.01)
+    # Two rounds: forward, then reversed.
+    assert report["order"] == [["synthetic-device", mode], [mode, "synthetic-device"]]
+    assert f"| {mode} |" in table and "| synthetic-device |" in table
+    assert report["device"] == "/cpu:0"
+
+
+def test_stall_is_measured_for_stagefeed_only(tmp_path):
+    """uint8 here (the other tests use float32): numpy batches of both dtypes are made."""
+    report, table = _bench(
+        tmp_path, ["stagefeed", "seed-staging"], "--producers", "1", "--dtype", "uint8"
+    )
+    stagefeed, seed = report["modes"]["stagefeed"], report["modes"]["seed-staging"]
+    assert len(stagefeed["wait_ms"]) == 4
+    assert all(w >= 0 for w in stagefeed["wait_ms"])
+    assert 0 <= stagefeed["stall_pct"] <= 100
+    assert stagefeed["info"]["producers"] == 1
+    assert seed["stall_pct"] is None and seed["wait_ms"] is None
+    assert seed["info"]["queue_capacity"] == report["settings"]["queue_capacity"]
+    # No reference mode in this run: no ratio is made up.
+    assert stagefeed["ratio"] is None and "n/a" in table
+    # Warm-up block + 2 timed blocks, each followed by a settle that refilled the queue.
+    assert [s["queue_full"] for s in seed["settle"]] == [True, True, True]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--modes", "synthetic-device,bogus"], "bogus"),
+        (["--image-size", "100"], "100x100"),
+        (["--rounds", "9", "--steps", "4"], "rounds=9"),
+    ],
+)
+def test_bad_flags_fail_before_anything_starts(flags, named):
+    done = run_cli(["bench", "steps", *flags], timeout=60)
+    assert done.returncode == 2
+    assert named in done.stderr
+    assert "ready" not in done.stderr
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+def test_sigterm_mid_run_stops_every_process(start_cli):
+    """SIGTERM to the bench alone: its mode workers and their producers all end in seconds."""
+    flags = "--modes stagefeed,synthetic-device --batch-size 2 --steps 100000 --rounds 2"
+    bench = start_cli(["bench", "steps", *flags.split(), "--log-level", "info"], name="bench")
+    assert wait_for(lambda: "mode synthetic-device ready" in bench.output(), 120)
+    pgid = bench.proc.pid
+    assert len(_group_members(pgid)) >= 4  # bench, 2 workers, a producer at least
+    bench.signal(signal.SIGTERM)
+    assert bench.wait(20) == 130, bench.output()
+    assert wait_for(lambda: not _group_members(pgid), 15), _group_members(pgid)
+    assert "stopped before it finished" in bench.output()
+
+
+def test_blocks_split_the_timed_steps_into_rounds():
+    assert StepsConfig(steps=5).blocks() == [1, 1, 1, 1, 1]  # default: one step per block
+    assert StepsConfig(steps=5, rounds=2).blocks() == [3, 2]
+    assert StepsConfig(steps=5, rounds=5).round_count == 5

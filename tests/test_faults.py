@@ -1,0 +1,220 @@
+"""Faults against real processes: producers that join, die or lose their connection, a trainer
+killed and restarted under running producers, and a trainer slower than its producers.
+
+Live counters come from the trainer's Prometheus endpoint; producer ids carry the worker's pid
+(``host-PID-INDEX-NONCE``), which is how a test finds the counters of the process it started.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import numpy as np
+import pytest
+import zmq
+import zmq.utils.monitor
+
+from tests import hostile, procs
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
+
+WAIT_S = 90
+BASE_RATE = "4"
+INFLIGHT_MB = 8  # producer budget under test: max(1, 8 MiB // 1.18 MiB) = 6 unsent batches
+
+
+def _produce(spawn: procs.Spawner, endpoint: str, *extra: str, name: str):
+    started = spawn(["produce", "--connect", endpoint, *TINY, *extra], name=name)
+    (worker,) = procs.workers_of(started, 1)
+    return started, worker
+
+
+def _id_of(trainer: procs.Trainer, worker_pid: int) -> str:
+    """The producer id of ``worker_pid`` once the trainer has trained one of its batches."""
+    live = trainer.wait_metrics(lambda m: procs.producer_ids_of(worker_pid, m.trained), WAIT_S)
+    (pid,) = procs.producer_ids_of(worker_pid, live.trained)
+    return pid
+
+
+class Busy:
+    """A trainer training on a rate-limited base producer; tests add producers to it."""
+
+    def __init__(self, spawn: procs.Spawner) -> None:
+        self.spawn = spawn
+        self.trainer = procs.Trainer(spawn)
+        _, worker = _produce(spawn, self.trainer.endpoint, "--rate", BASE_RATE, name="base")
+        self.base = _id_of(self.trainer, worker.pid)
+        # TensorFlow's working memory is allocated by the first steps: measure after them,
+        # while the queue is near empty (the base producer is slower than the trainer).
+        self.trainer.wait_metrics(lambda m: m.trained.get(self.base, 0) >= 6, WAIT_S)
+        self.steady_rss_mib = procs.rss_mib(self.trainer.pid)
+
+    def trained_more(self, producer: str, since: procs.Metrics, more: int) -> procs.Metrics:
+        was = since.trained.get(producer, 0)
+        live = self.trainer.wait_metrics(lambda m: m.trained.get(producer, 0) >= was + more, WAIT_S)
+        assert live.trained.get(producer, 0) >= was + more, f"{producer} is not being trained"
+        return live
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory):
+    spawn = procs.Spawner(tmp_path_factory.mktemp("faults"))
+    try:
+        yield Busy(spawn)
+    finally:
+        spawn.kill_all()
+
+
+def test_producer_joining_a_running_trainer_is_used_at_once(busy):
+    before = busy.trainer.metrics()
+    started, worker = _produce(busy.spawn, busy.trainer.endpoint, "--rate", "8", name="joiner")
+    joiner = _id_of(busy.trainer, worker.pid)
+    assert joiner not in before.received
+    busy.trained_more(joiner, before, 3)
+    busy.trained_more(busy.base, before, 1)  # the others are still served
+    started.signal(signal.SIGTERM)
+    assert started.wait(30) == 0
+
+
+def test_kill_9_of_a_producer_mid_send(busy):
+    """A producer killed while it pushes (unthrottled, so always mid-send) loses only what it
+    still held: the tail of its sequence, which no receiver can see. What arrived is complete
+    and contiguous, a torn multipart message is discarded by ZeroMQ (never a drop), the
+    others keep training, and its supervisor reports the death."""
+    started, worker = _produce(
+        busy.spawn, busy.trainer.endpoint, "--inflight-mb", str(INFLIGHT_MB), name="victim"
+    )
+    victim = _id_of(busy.trainer, worker.pid)
+    before = busy.trained_more(victim, busy.trainer.metrics(), 2)
+    worker.send_signal(signal.SIGKILL)
+    assert started.wait(30) == 3  # "producer processes failed"
+    assert "exit -9" in procs.log_text(started)
+    after = busy.trained_more(busy.base, busy.trainer.metrics(), 3)
+    assert after.missing[victim] == 0
+    assert after.dropped == before.dropped
+
+
+def test_lost_connection_shows_as_a_sequence_gap_not_a_drop(busy):
+    """A producer whose connection is cut loses what was on the wire; when it carries on,
+    the trainer reports the hole as ``seq_missing``, apart from drops. The cut here is the
+    trainer's own: a message over --max-message-mb (one batch + 1 MiB by default)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(busy.trainer.endpoint)
+    try:
+        before = busy.trainer.metrics()
+        for seq in range(4):
+            sock.send_multipart(hostile.good_frames("gap-test", seq))
+        busy.trainer.wait_metrics(lambda m: m.received.get("gap-test") == 4, WAIT_S)
+        events = [_event(monitor)]
+        big = np.zeros(8 * procs.MIB, dtype=np.uint8)
+        sock.send_multipart(hostile.with_header(hostile.header(seq=4), memoryview(big)))
+        events += [_event(monitor), _event(monitor)]
+        assert events == [
+            zmq.EVENT_HANDSHAKE_SUCCEEDED,
+            zmq.EVENT_DISCONNECTED,
+            zmq.EVENT_HANDSHAKE_SUCCEEDED,
+        ]
+        for seq in range(5, 8):
+            sock.send_multipart(hostile.good_frames("gap-test", seq))
+        after = busy.trainer.wait_metrics(lambda m: m.received.get("gap-test") == 7, WAIT_S)
+    finally:
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        ctx.term()
+    assert after.received["gap-test"] == 7
+    assert after.missing["gap-test"] == 1
+    assert after.dropped == before.dropped
+
+
+def _event(monitor: zmq.Socket) -> int:
+    assert monitor.poll(WAIT_S * 1000), "no socket event"
+    return zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+
+
+def test_slow_trainer_blocks_producers_within_their_byte_budgets(busy):
+    """An unthrottled producer against a trainer that takes ~20 batches/s blocks (backpressure);
+    measured RSS stays within the budgets of common/options.py:
+
+    - producer: ``max(1, inflight_mb // batch_mb)`` unsent batches plus one being filled;
+      with --inflight-mb 8 that is 7 batch buffers (8.3 MiB) above the supervisor process,
+      which imports the same modules and holds no batch;
+    - trainer: ``queue_mb`` + (stage_depth + 2 + 4 x recv_threads) batches + two messages per
+      producer, above its RSS once training was steady with the queue near empty, plus
+      ``procs.ALLOCATOR_ALLOWANCE_MIB`` for what malloc keeps of freed batch buffers.
+    """
+    trainer = busy.trainer
+    quiet = trainer.metrics()
+    started, worker = _produce(
+        busy.spawn, trainer.endpoint, "--inflight-mb", str(INFLIGHT_MB), name="flood"
+    )
+    flood = _id_of(trainer, worker.pid)
+    live = busy.trained_more(flood, quiet, 10)  # the queue is full by now
+    trainer_rss, worker_rss = [], []
+    for _ in range(5):
+        live = busy.trained_more(flood, live, 5)
+        trainer_rss.append(procs.rss_mib(trainer.pid))
+        worker_rss.append(procs.rss_mib(worker.pid))
+    supervisor_rss = procs.rss_mib(started.proc.pid)
+    started.signal(signal.SIGTERM)
+    assert started.wait(30) == 0
+    stopped = trainer.metrics()
+
+    batch_mib = procs.BATCH_BYTES / procs.MIB
+    max_unsent = int(INFLIGHT_MB * procs.MIB) // procs.BATCH_BYTES
+    producer_budget = (max_unsent + 1) * batch_mib
+    zmq_allowance = 16  # a ZeroMQ context, its I/O thread and the monitor socket
+    assert max(worker_rss) <= supervisor_rss + producer_budget + zmq_allowance, (
+        worker_rss,
+        supervisor_rss,
+    )
+    # Every producer this trainer has seen counts, as if all were still connected.
+    trainer_budget = procs.trainer_budget_mib(len(stopped.received))
+    limit = busy.steady_rss_mib + trainer_budget + procs.ALLOCATOR_ALLOWANCE_MIB
+    assert max(trainer_rss) <= limit, (trainer_rss, busy.steady_rss_mib, trainer_budget)
+
+    # Blocked, not buffering: what it handed to ZeroMQ exceeds what the trainer received by
+    # at most what can sit on the way: its own unsent budget, the loopback connection's kernel
+    # buffers (at most tcp_wmem + tcp_rmem maxima), and the trainer's ZeroMQ queues not yet
+    # booked as received (2 for this connection, the proxy's 1, 2 per receive thread).
+    handed = int(re.search(r"(\d+) batches handed to ZeroMQ", procs.log_text(started)).group(1))
+    received = stopped.received[flood]
+    kernel = sum(_sysctl_max(f"/proc/sys/net/ipv4/{n}") for n in ("tcp_wmem", "tcp_rmem"))
+    on_the_way = max_unsent + -(-kernel // procs.BATCH_BYTES) + 2 + 1 + 2 * 2
+    assert received <= handed <= received + on_the_way, (handed, received, on_the_way)
+
+
+def _sysctl_max(path: str) -> int:
+    with open(path) as f:
+        return int(f.read().split()[-1])
+
+
+def test_trainer_killed_and_restarted_producers_resume(tmp_path):
+    spawn = procs.Spawner(tmp_path)
+    try:
+        first = procs.Trainer(spawn, name="first")
+        started, worker = _produce(
+            spawn, first.endpoint, "--inflight-mb", str(INFLIGHT_MB), name="p"
+        )
+        producer = _id_of(first, worker.pid)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.started.wait(30)
+        assert procs.wait_log(started, "cannot reach the trainer", 30), procs.log_text(started)
+
+        second = procs.Trainer(spawn, port=first.port, name="second")
+        live = second.wait_metrics(lambda m: m.trained.get(producer, 0) >= 3, WAIT_S)
+        assert live.trained.get(producer, 0) >= 3, "the running producer did not come back"
+        assert worker.is_running() and started.proc.poll() is None  # never restarted
+        summary = second.stop()
+        assert list(summary["producers"]) == [producer]
+        log = procs.log_text(started)
+        assert log.count("cannot reach the trainer") == 1, log
+        assert "reachable again" in log
+        assert "Traceback" not in log
+    finally:
+        spawn.kill_all()

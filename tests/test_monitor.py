@@ -1,0 +1,126 @@
+"""Monitor: options checks, when it shows and advises, the final window, producer capacity.
+
+Driven with real ``StepRecord``s on a real (unstarted) ``Trainer``: its ledger and queue counts
+are the real ones, only no TensorFlow session runs.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+
+import pytest
+
+from common.errors import ConfigError
+from common.options import TrainerOptions
+from common.spec import BatchSpec
+from consumer.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
+from consumer.trainer import StepRecord, Trainer
+from tests.figures_util import window
+
+SPEC = BatchSpec(batch_size=2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("progress_s", 0),
+        ("advice_s", -1.0),
+        ("wire_mb_s", float("nan")),
+        ("tensorboard_s", float("inf")),
+        ("metrics_port", 70000),
+        ("metrics_port", -1),
+        ("logdir", "  "),
+        ("metrics_host", ""),
+    ],
+)
+def test_bad_options_name_the_value(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        ObserveOptions(**{field: value})
+
+
+def _trainer() -> Trainer:
+    return Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", spec=SPEC, steps=3, warmup_steps=2))
+
+
+def _steps(monitor: Monitor, trainer: Trainer, specs: list[tuple[bool, float, float]]) -> None:
+    """Feed (timed, wait_s, step_s) steps, each ending ``wait_s + step_s`` after the last."""
+    at = time.monotonic()
+    for n, (timed, wait_s, step_s) in enumerate(specs, start=1):
+        trainer.ledger.accept("prod-a", n, 100)
+        at += wait_s + step_s
+        record = StepRecord(n, timed, wait_s, step_s, 6.9, 0, at)
+        trainer.records.append(record)
+        monitor.on_step(record, trainer)
+
+
+def test_progress_lines_and_advice_lines_when_due(caplog) -> None:
+    trainer = _trainer()
+    monitor = Monitor(ObserveOptions(progress_s=1.0, advice_s=2.0), stream=io.StringIO())
+    monitor.start(trainer)
+    caplog.set_level(logging.INFO)
+    # Steps 1.5 s apart (by their end times): a line each, advice every second step.
+    _steps(monitor, trainer, [(True, 1.0, 0.5)] * 4)
+    progress = [r.message for r in caplog.records if r.name == "stagefeed.progress"]
+    advice = [r.message for r in caplog.records if r.name == "stagefeed.monitor"]
+    assert len(progress) == 4
+    assert progress[-1].startswith("step 4/5  ")
+    assert "stall 67%" in progress[-1]
+    assert len(advice) == 2
+    assert all(a.startswith("advice: ") for a in advice)
+    monitor.close()
+
+
+def test_final_window_starts_after_the_warm_up() -> None:
+    trainer = _trainer()
+    monitor = Monitor(ObserveOptions(), stream=io.StringIO()).start(trainer)
+    # Two slow warm-up steps that waited long, then three timed steps that never waited.
+    _steps(monitor, trainer, [(False, 5.0, 3.0)] * 2 + [(True, 0.0, 0.1)] * 3)
+    f = monitor.final_figures()
+    assert f.steps == 3
+    assert f.stall_pct == 0.0
+    assert f.compute_ms == pytest.approx(100.0)
+    monitor.close()
+    assert set(monitor.final) == {"advice", "bottleneck"}
+    assert monitor.final["advice"].startswith(monitor.final["bottleneck"] + ": ")
+    monitor.close()  # idempotent
+
+
+def test_final_window_falls_back_to_the_whole_run() -> None:
+    trainer = _trainer()
+    monitor = Monitor(ObserveOptions(), stream=io.StringIO()).start(trainer)
+    _steps(monitor, trainer, [(False, 1.0, 1.0)] * 2)  # stopped during warm-up
+    assert monitor.final_figures().steps == 2
+    monitor.close()
+    assert monitor.final["bottleneck"] == "input-bound"
+
+
+def test_a_monitor_never_started_closes_without_figures() -> None:
+    monitor = Monitor(ObserveOptions(), stream=io.StringIO())
+    monitor.close()
+    assert monitor.final == {}
+
+
+def test_producer_capacity_only_from_windows_with_room_in_the_queue() -> None:
+    free = window(seconds=2, steps=4, per_producer={"a": 20, "b": 10}, queue_batches=10)
+    assert unthrottled_producer_rate(free, queue_at_start=5) == pytest.approx(7.5)
+    # Full at the start, at the end, or at any step: producers were held back.
+    assert unthrottled_producer_rate(free, queue_at_start=100) is None
+    at_end = window(seconds=2, steps=4, per_producer={"a": 20}, queue_batches=100)
+    assert unthrottled_producer_rate(at_end, queue_at_start=0) is None
+    at_step = window(seconds=2, steps=4, per_producer={"a": 20}, full_steps=1)
+    assert unthrottled_producer_rate(at_step, queue_at_start=0) is None
+    idle = window(seconds=2, steps=4, per_producer={"a": 0})
+    assert unthrottled_producer_rate(idle, queue_at_start=0) is None
+
+
+def test_capacity_is_the_best_sample_so_far() -> None:
+    trainer = _trainer()
+    monitor = Monitor(ObserveOptions(), stream=io.StringIO()).start(trainer)
+    assert math.isnan(monitor.capacity_per_s)
+    _steps(monitor, trainer, [(True, 0.5, 0.7)] * 3)  # windows >= 1 s: sampled
+    assert monitor.capacity_per_s > 0
+    assert monitor.final_figures().producer_capacity_per_s == monitor.capacity_per_s
+    monitor.close()
