@@ -89,6 +89,7 @@ class TrainerOptions:
     max_message_mb: float = 0.0  # 0 = one batch plus 1 MiB
     curve_keys: str | None = None
     wait_log_s: float = 10.0  # how often to say "waiting for data" while starved
+    keep_freed_memory: bool = True  # see consumer/malloc_policy.py
 
     def __post_init__(self) -> None:
         check_endpoint("bind", self.bind)

@@ -47,6 +47,7 @@ def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, A
             "received": totals["received"],
             "trained": totals["trained"],
             "queued_at_stop": totals["enqueued"] - totals["trained"],
+            "not_enqueued": totals["received"] - totals["enqueued"],
             "dropped": totals["dropped"],
             "seq_missing": totals["seq_missing"],
         },
@@ -82,7 +83,8 @@ def format_text(summary: dict[str, Any]) -> str:
         f"stall {s['stall_pct']}%",
         f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})",
         f"  batches received {b['received']}, trained {b['trained']}, "
-        f"queued at stop {b['queued_at_stop']}, dropped {b['dropped']}, "
+        f"queued at stop {b['queued_at_stop']}, in receive threads at stop "
+        f"{b['not_enqueued']}, dropped {b['dropped']}, "
         f"missing (sequence gaps) {b['seq_missing']}",
     ]
     if s["dropped_by_reason"]:
@@ -96,7 +98,8 @@ def format_text(summary: dict[str, Any]) -> str:
         dropped = sum(p.get("dropped", {}).values())
         lines.append(
             f"    {name}: received {p.get('received', 0)}, trained {p.get('trained', 0)}, "
-            f"queued at stop {p.get('queued_at_stop', 0)}, dropped {dropped}"
+            f"queued at stop {p.get('queued_at_stop', 0)}, "
+            f"in receive threads {p.get('not_enqueued', 0)}, dropped {dropped}"
             + (f" {p['dropped']}" if dropped else "")
             + (f", missing {p['seq_missing']}" if p.get("seq_missing") else "")
         )

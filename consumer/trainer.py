@@ -16,6 +16,7 @@ from common.errors import ClosedError
 from common.ledger import Ledger
 from common.options import TrainerOptions
 from consumer import graph as feed_graph
+from consumer import malloc_policy
 from consumer.receiver import Availability, ReceivePool
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class Trainer:
 
     def start(self) -> Trainer:
         options = self.options
+        if options.keep_freed_memory:
+            malloc_policy.keep_freed_memory()
         self.device = feed_graph.pick_device(options.device)
         self._feed = feed_graph.build(
             options.spec,

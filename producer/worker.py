@@ -131,8 +131,8 @@ def produce(options: ProducerOptions, index: int, stop: Any) -> int:
             sender.close(flush_s=FLUSH_TIMEOUT_S)
         else:
             log.info(
-                "producer %s stopped: %d batches handed to ZeroMQ (seq 0..%d), up to %d of them "
-                "unsent and discarded",
+                "producer %s stopped: %d batches handed to ZeroMQ (seq 0..%d); %d still held "
+                "by ZeroMQ discarded",
                 pid,
                 seq,
                 seq - 1,

@@ -60,6 +60,9 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add(
         g, "--wire-mb-s", type=float, default=1400.0, help="MiB/s the producers' link carries"
     )
+    envflags.add_switch(
+        g, "--return-freed-memory", help="let glibc unmap freed batches (slower: page faults)"
+    )
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -103,6 +106,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         device=args.device,
         max_message_mb=args.max_message_mb,
         curve_keys=args.curve_keys,
+        keep_freed_memory=not args.return_freed_memory,
     )
 
 

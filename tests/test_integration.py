@@ -71,6 +71,7 @@ def test_every_batch_sent_is_trained_or_queued(tmp_path, start_cli):
         "received": 16,
         "trained": 14,
         "queued_at_stop": 2,
+        "not_enqueued": 0,
         "dropped": 0,
         "seq_missing": 0,
     }
@@ -125,6 +126,6 @@ def test_trainer_stopped_by_signal_accounts_for_what_it_holds(tmp_path, start_cl
     assert summary["interrupted"] is True
     batches = summary["batches"]
     assert batches["received"] == 60
-    assert batches["trained"] + batches["queued_at_stop"] == 60
+    assert batches["trained"] + batches["queued_at_stop"] + batches["not_enqueued"] == 60
     assert batches["trained"] >= 1 and batches["queued_at_stop"] >= 2  # staging stays filled
     assert batches["dropped"] == 0 and batches["seq_missing"] == 0
