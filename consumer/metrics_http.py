@@ -117,6 +117,15 @@ class StagefeedCollector:
         for reason, n in sorted(snap.dropped.items()):
             dropped.add_metric([reason], n)
         yield dropped
+        connections = CounterMetricFamily(
+            PREFIX + "connection_events",
+            "Events of the bound socket: accepted, disconnected (oversize cuts included), "
+            "handshake failures by kind",
+            labels=["event"],
+        )
+        for event, n in sorted(self._trainer.ledger.peer_events().items()):
+            connections.add_metric([event], n)
+        yield connections
 
 
 class _Server(HTTPServer):

@@ -256,7 +256,7 @@ def test_the_producer_image_installs_no_tensorflow():
     assert not [d for d in closure if "tensorflow" in d or d == "keras"], closure
     assert any("tensorflow" in r for r in project["optional-dependencies"]["cpu"])
     trainer = pip_installs(DOCKERFILES[1])
-    assert trainer == [".[${TF_EXTRA}]", "."]
+    assert trainer == [".[${TF_EXTRA},metrics]", "."]  # prometheus-client for --metrics-port
     assert "TF_EXTRA=cpu" in [
         args for ins, args in cl.dockerfile_instructions(DOCKERFILES[1]) if ins == "ARG"
     ]

@@ -101,6 +101,7 @@ def test_endpoint_moves_while_a_real_trainer_trains(start_cli, tmp_path) -> None
     assert received >= trained >= value(first, "stagefeed_trained_batches_total", producer=who)
     assert trained > 0
     assert value(second, "stagefeed_sequence_missing_batches", producer=who) >= 0
+    assert value(second, "stagefeed_connection_events_total", event="accepted") >= 1
 
     trainer.signal(signal.SIGTERM)
     assert trainer.wait(30) == 0, trainer.output()[-3000:]
