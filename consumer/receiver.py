@@ -161,8 +161,7 @@ class ReceivePool:
                     continue
                 frames = frontend.recv_multipart(copy=False)
                 while not self._stop.is_set():
-                    if backend.poll(POLL_MS, zmq.POLLOUT):
-                        backend.send_multipart(frames, copy=False)
+                    if self._pass_on(backend, frames):
                         break
         except Exception as exc:  # noqa: BLE001 - reported to the train loop, never swallowed
             log.exception("proxy thread failed")
@@ -170,6 +169,18 @@ class ReceivePool:
         finally:
             frontend.close(linger=0)
             backend.close(linger=0)
+
+    @staticmethod
+    def _pass_on(backend: zmq.Socket, frames: list[zmq.Frame]) -> bool:
+        # Never a blocking send: a receive thread that closes its socket at shutdown can leave
+        # POLLOUT true for a pipe that is going away, and a blocking send would then never return.
+        if not backend.poll(POLL_MS, zmq.POLLOUT):
+            return False
+        try:
+            backend.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
 
     def _receive(self, backend_addr: str) -> None:
         assert self._ctx is not None

@@ -74,8 +74,17 @@ class BatchSender:
         """Queue one message; raise ``ClosedError`` if stop was requested meanwhile."""
         while len(self._unsent) >= self.max_unsent:
             self._wait_oldest()
-        self._wait_writable()
-        tracker = self._socket.send_multipart(frames, copy=False, track=True)
+        while True:
+            self._wait_writable()
+            try:
+                # Never a blocking send: the trainer can vanish between poll and send, and a
+                # blocking send would then ignore stop requests.
+                tracker = self._socket.send_multipart(
+                    frames, flags=zmq.NOBLOCK, copy=False, track=True
+                )
+            except zmq.Again:
+                continue
+            break
         self._unsent.append(tracker)
 
     def unsent(self) -> int:
