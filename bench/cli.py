@@ -78,7 +78,6 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _steps(args: argparse.Namespace) -> int:
-    from bench.report import write_json
     from bench.steps import run_steps
     from bench.table import steps_table
 
@@ -95,20 +94,13 @@ def _steps(args: argparse.Namespace) -> int:
         seed_prestage=args.seed_prestage,
         device=args.device,
     )
-    try:
-        report = run_steps(config, logging.getLogger().level)
-    except ClosedError:
-        log.warning("bench steps stopped before it finished: nothing to report")
-        return STOPPED
-    print(steps_table(report), flush=True)
-    if args.json:
-        write_json(report, args.json)
-    return 0
+    return _run_and_report(
+        "steps", lambda: run_steps(config, logging.getLogger().level), steps_table, args.json
+    )
 
 
 def _ingest(args: argparse.Namespace) -> int:
     from bench.ingest import run_ingest
-    from bench.report import write_json
     from bench.table import ingest_table
 
     config = IngestConfig(
@@ -121,14 +113,28 @@ def _ingest(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         device=args.device,
     )
+    return _run_and_report(
+        "ingest", lambda: run_ingest(config, logging.getLogger().level), ingest_table, args.json
+    )
+
+
+def _run_and_report(
+    name: str,
+    run: Callable[[], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+    json_path: str | None,
+) -> int:
+    """Run one benchmark, print its table, write its JSON; STOPPED if a signal ended it."""
+    from bench.report import write_json
+
     try:
-        report = run_ingest(config, logging.getLogger().level)
+        report = run()
     except ClosedError:
-        log.warning("bench ingest stopped before it finished: nothing to report")
+        log.warning("bench %s stopped before it finished: nothing to report", name)
         return STOPPED
-    print(ingest_table(report), flush=True)
-    if args.json:
-        write_json(report, args.json)
+    print(table(report), flush=True)
+    if json_path:
+        write_json(report, json_path)
     return 0
 
 

@@ -46,7 +46,6 @@ class ProducerOptions:
     max_batches: int = 0  # per worker; 0 = until stopped
     seed: int = 0
     curve_keys: str | None = None  # directory written by ``stagefeed keygen``
-    connect_timeout_s: float = 0.0  # 0 = wait for the trainer forever
 
     def __post_init__(self) -> None:
         check_endpoint("connect", self.connect)
@@ -55,7 +54,6 @@ class ProducerOptions:
         _positive("inflight_mb", self.inflight_mb)
         _positive("rate", self.rate, zero_ok=True)
         _positive("max_batches", self.max_batches, zero_ok=True)
-        _positive("connect_timeout_s", self.connect_timeout_s, zero_ok=True)
         if self.source != "synthetic" and not re.fullmatch(r"[\w.]+:\w+", self.source):
             raise ConfigError(f"source must be 'synthetic' or module:function, got {self.source!r}")
 

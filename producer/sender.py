@@ -43,12 +43,10 @@ class BatchSender:
         stop: Any,
         *,
         configure: Any = None,
-        connect_timeout_s: float = 0.0,
     ) -> None:
         self.endpoint = endpoint
         self.max_unsent = max_unsent
         self._stop = stop
-        self._connect_timeout_s = connect_timeout_s
         self._unsent: collections.deque[zmq.MessageTracker] = collections.deque()
         self._socket = ctx.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, max_unsent)
@@ -127,11 +125,6 @@ class BatchSender:
                 if waited > 2.0 and not self._said_unreachable:
                     self._said_unreachable = True
                     log.warning("cannot reach the trainer at %s; retrying quietly", self.endpoint)
-                if self._connect_timeout_s and waited > self._connect_timeout_s:
-                    raise BrokenError(
-                        f"trainer at {self.endpoint} not reachable for "
-                        f"{self._connect_timeout_s:g} s"
-                    )
 
     def _read_monitor(self) -> None:
         while self._monitor.poll(0):

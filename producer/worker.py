@@ -85,7 +85,6 @@ def produce(options: ProducerOptions, index: int, stop: Any) -> int:
         options.max_unsent,
         stop,
         configure=configure,
-        connect_timeout_s=options.connect_timeout_s,
     )
     seq = 0
     finished = False

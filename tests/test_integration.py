@@ -21,6 +21,15 @@ def _handed(output: str) -> dict[str, int]:
     return {pid: int(n) for pid, n in re.findall(r"producer (\S+) finished: (\d+) batches", output)}
 
 
+def _start_producers(start_cli, port: int, max_batches: int):
+    """Two producer processes that each send ``max_batches`` batches, then finish cleanly."""
+    return start_cli(
+        ["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2", *TINY,
+         "--max-batches", str(max_batches)],
+        name="producers",
+    )  # fmt: skip
+
+
 def test_every_batch_sent_is_trained_or_queued(tmp_path, start_cli):
     """2 producers x 8 batches; the trainer needs all 16 (2 warm-up + 12 timed + 2 staged)."""
     port = free_tcp_port()
@@ -38,19 +47,7 @@ def test_every_batch_sent_is_trained_or_queued(tmp_path, start_cli):
         ],
         name="trainer",
     )
-    producers = start_cli(
-        [
-            "produce",
-            "--connect",
-            f"tcp://127.0.0.1:{port}",
-            "--workers",
-            "2",
-            *TINY,
-            "--max-batches",
-            "8",
-        ],
-        name="producers",
-    )
+    producers = _start_producers(start_cli, port, max_batches=8)
     assert producers.wait(120) == 0, producers.output()
     assert trainer.wait(120) == 0, trainer.output()
     summary = _summary(summary_path)
@@ -105,19 +102,7 @@ def test_trainer_stopped_by_signal_accounts_for_what_it_holds(tmp_path, start_cl
         ],
         name="trainer",
     )
-    producers = start_cli(
-        [
-            "produce",
-            "--connect",
-            f"tcp://127.0.0.1:{port}",
-            "--workers",
-            "2",
-            *TINY,
-            "--max-batches",
-            "30",
-        ],
-        name="producers",
-    )
+    producers = _start_producers(start_cli, port, max_batches=30)
     assert producers.wait(120) == 0, producers.output()
     assert wait_for(lambda: "step " in trainer.output(), 60), trainer.output()
     trainer.signal(signal.SIGTERM)
