@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from bench.config import STEP_MODES, TRANSPORTS, IngestConfig, StepsConfig
-from common.errors import ClosedError
-from common.spec import IMAGE_DTYPES, BatchSpec
+from stagefeed.bench.config import STEP_MODES, TRANSPORTS, IngestConfig, StepsConfig
+from stagefeed.common.errors import ClosedError
+from stagefeed.common.spec import IMAGE_DTYPES, BatchSpec
 
 log = logging.getLogger("stagefeed.bench")
 STOPPED = 130  # exit status after Ctrl-C / SIGTERM, as a shell reports SIGINT
@@ -78,8 +78,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _steps(args: argparse.Namespace) -> int:
-    from bench.steps import run_steps
-    from bench.table import steps_table
+    from stagefeed.bench.steps import run_steps
+    from stagefeed.bench.table import steps_table
 
     config = StepsConfig(
         modes=tuple(args.modes),
@@ -100,8 +100,8 @@ def _steps(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from bench.ingest import run_ingest
-    from bench.table import ingest_table
+    from stagefeed.bench.ingest import run_ingest
+    from stagefeed.bench.table import ingest_table
 
     config = IngestConfig(
         dtypes=tuple(args.dtypes),
@@ -125,7 +125,7 @@ def _run_and_report(
     json_path: str | None,
 ) -> int:
     """Run one benchmark, print its table, write its JSON; STOPPED if a signal ended it."""
-    from bench.report import write_json
+    from stagefeed.bench.report import write_json
 
     try:
         report = run()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.errors import ConfigError
-from common.spec import IMAGE_DTYPES, BatchSpec
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.spec import IMAGE_DTYPES, BatchSpec
 
 STEP_MODES = (
     "synthetic-device",

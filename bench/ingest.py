@@ -18,16 +18,15 @@ import time
 from typing import Any
 
 import tensorflow as tf
-
-from bench.config import IngestConfig
-from bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
-from bench.report import machine
-from common.errors import BrokenError, ClosedError
-from common.lifecycle import on_stop_signals
-from common.options import ProducerOptions, TrainerOptions
-from common.spec import BatchSpec
-from consumer.trainer import StepRecord, Trainer
-from producer.pool import ProducerPool
+from stagefeed.bench.config import IngestConfig
+from stagefeed.bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
+from stagefeed.bench.report import machine
+from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.lifecycle import on_stop_signals
+from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.spec import BatchSpec
+from stagefeed.consumer.trainer import StepRecord, Trainer
+from stagefeed.producer.pool import ProducerPool
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-
-from bench.config import StepsConfig
-from common.spec import BatchSpec
-from consumer.graph import alexnet_step
+from stagefeed.bench.config import StepsConfig
+from stagefeed.common.spec import BatchSpec
+from stagefeed.consumer.graph import alexnet_step
 
 v1 = tf.compat.v1
 

@@ -18,13 +18,12 @@ from typing import Any
 
 import numpy as np
 import zmq
-
-from common import protocol
-from common.errors import BrokenError
-from common.lifecycle import stop_processes
-from common.logs import setup_logging
-from common.spec import BatchSpec
-from producer.sources import SyntheticSource
+from stagefeed.common import protocol
+from stagefeed.common.errors import BrokenError
+from stagefeed.common.lifecycle import stop_processes
+from stagefeed.common.logs import setup_logging
+from stagefeed.common.spec import BatchSpec
+from stagefeed.producer.sources import SyntheticSource
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-
-from common.stats import percentile
+from stagefeed.common.stats import percentile
 
 
 def machine() -> dict[str, Any]:

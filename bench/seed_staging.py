@@ -18,13 +18,12 @@ import time
 from typing import Any
 
 import tensorflow as tf
+from stagefeed.bench.cpu import threads_cpu_s
+from stagefeed.bench.modes import GraphMode, alignment, host_batch
+from stagefeed.common.errors import BrokenError
+from stagefeed.common.lifecycle import join_threads
+from stagefeed.consumer.graph import alexnet_step
 from tensorflow.python.ops.data_flow_ops import StagingArea
-
-from bench.cpu import threads_cpu_s
-from bench.modes import GraphMode, alignment, host_batch
-from common.errors import BrokenError
-from common.lifecycle import join_threads
-from consumer.graph import alexnet_step
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

@@ -17,13 +17,13 @@ import threading
 import time
 from typing import Any
 
-from bench.config import StepsConfig
-from bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
-from common.errors import BrokenError, ClosedError
-from common.lifecycle import join_threads
-from common.options import ProducerOptions, TrainerOptions
-from consumer.trainer import StepRecord, Trainer
-from producer.pool import ProducerPool
+from stagefeed.bench.config import StepsConfig
+from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
+from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.lifecycle import join_threads
+from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.consumer.trainer import StepRecord, Trainer
+from stagefeed.producer.pool import ProducerPool
 
 log = logging.getLogger(__name__)
 

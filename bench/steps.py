@@ -17,11 +17,11 @@ import threading
 import time
 from typing import Any
 
-from bench.config import StepsConfig
-from bench.report import machine, rounded, step_figures
-from bench.worker import mode_worker
-from common.errors import BrokenError, ClosedError, ConfigError
-from common.lifecycle import on_stop_signals, stop_processes
+from stagefeed.bench.config import StepsConfig
+from stagefeed.bench.report import machine, rounded, step_figures
+from stagefeed.bench.worker import mode_worker
+from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
+from stagefeed.common.lifecycle import on_stop_signals, stop_processes
 
 log = logging.getLogger(__name__)
 

@@ -14,17 +14,17 @@ import signal
 import traceback
 from typing import Any
 
-from bench.config import StepsConfig
-from bench.cpu import process_cpu_s
-from common.errors import ConfigError
-from common.logs import setup_logging
+from stagefeed.bench.config import StepsConfig
+from stagefeed.bench.cpu import process_cpu_s
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
 
 def open_mode(name: str, config: StepsConfig, device: str) -> Any:
     """The mode object for ``name`` (imports TensorFlow)."""
-    from bench import modes
+    from stagefeed.bench import modes
 
     if name in ("synthetic-device", "synthetic-host"):
         return modes.SyntheticMode(config, device, on_host=name == "synthetic-host")
@@ -33,11 +33,11 @@ def open_mode(name: str, config: StepsConfig, device: str) -> Any:
     if name == "tf.data":
         return modes.TfDataMode(config, device)
     if name == "seed-staging":
-        from bench.seed_staging import SeedStagingMode
+        from stagefeed.bench.seed_staging import SeedStagingMode
 
         return SeedStagingMode(config, device)
     if name == "stagefeed":
-        from bench.stagefeed_mode import StagefeedMode
+        from stagefeed.bench.stagefeed_mode import StagefeedMode
 
         return StagefeedMode(config, device)
     raise ConfigError(f"unknown mode {name!r}")
@@ -84,8 +84,7 @@ def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> No
     mode = None
     try:
         import tensorflow as tf
-
-        from consumer.graph import pick_device
+        from stagefeed.consumer.graph import pick_device
 
         device = pick_device(config.device)
         mode = open_mode(name, config, device)

@@ -31,10 +31,9 @@ from collections.abc import Callable
 
 import zmq
 import zmq.auth
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.lifecycle import join_threads
 from zmq.auth.thread import ThreadAuthenticator
-
-from common.errors import ConfigError
-from common.lifecycle import join_threads
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import threading
 import time
 from collections.abc import Iterable
 
-from common.errors import DropReason
-from common.sequence import SequenceTracker
+from stagefeed.common.errors import DropReason
+from stagefeed.common.sequence import SequenceTracker
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from common.errors import ConfigError
-from common.spec import BatchSpec
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.spec import BatchSpec
 
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
 DEVICES = ("auto", "cpu", "gpu")

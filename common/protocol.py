@@ -23,9 +23,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
-
-from common.errors import DropReason, ProtocolError
-from common.spec import ALLOWED_DTYPES, BatchSpec
+from stagefeed.common.errors import DropReason, ProtocolError
+from stagefeed.common.spec import ALLOWED_DTYPES, BatchSpec
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 4096

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
-from common.errors import ConfigError
+from stagefeed.common.errors import ConfigError
 
 # Dtypes a message may declare, by their numpy ``dtype.str``. Object, void, structured and
 # string dtypes are absent on purpose: decoding them could execute or allocate arbitrarily.

@@ -15,10 +15,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from common.ledger import UNIDENTIFIED
+from stagefeed.common.ledger import UNIDENTIFIED
 
 if TYPE_CHECKING:
-    from consumer.trainer import StepRecord, Trainer
+    from stagefeed.consumer.trainer import StepRecord, Trainer
 
 
 @dataclasses.dataclass(frozen=True)

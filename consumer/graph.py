@@ -7,11 +7,10 @@ import logging
 from collections.abc import Callable
 
 import tensorflow as tf
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.spec import BatchSpec
+from stagefeed.consumer import model
 from tensorflow.python.ops.data_flow_ops import StagingArea
-
-from common.errors import ConfigError
-from common.spec import BatchSpec
-from consumer import model
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

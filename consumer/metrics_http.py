@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
-
-from common.errors import ConfigError
-from common.lifecycle import join_threads
-from consumer.figures import Snapshot
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.lifecycle import join_threads
+from stagefeed.consumer.figures import Snapshot
 
 if TYPE_CHECKING:
-    from consumer.trainer import Trainer
+    from stagefeed.consumer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ VALID max-pooling, dense layers with ReLU and truncated-normal(stddev=1.0) kerne
 from __future__ import annotations
 
 import tensorflow as tf
-
-from common.errors import ConfigError
+from stagefeed.common.errors import ConfigError
 
 v1 = tf.compat.v1
 

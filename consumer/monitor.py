@@ -18,9 +18,9 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
-from common.errors import ConfigError
-from consumer.advice import DEFAULT_WIRE_MB_S, Advice, advise
-from consumer.figures import (
+from stagefeed.common.errors import ConfigError
+from stagefeed.consumer.advice import DEFAULT_WIRE_MB_S, Advice, advise
+from stagefeed.consumer.figures import (
     Figures,
     Snapshot,
     StepCounters,
@@ -28,10 +28,10 @@ from consumer.figures import (
     figures_between,
     take_snapshot,
 )
-from consumer.progress import Progress
+from stagefeed.consumer.progress import Progress
 
 if TYPE_CHECKING:
-    from consumer.trainer import StepRecord, Trainer
+    from stagefeed.consumer.trainer import StepRecord, Trainer
 
 log = logging.getLogger("stagefeed.monitor")
 
@@ -92,7 +92,7 @@ class Monitor:
         opts = self.options
         if opts.metrics_port is not None:
             try:
-                from consumer.metrics_http import MetricsServer
+                from stagefeed.consumer.metrics_http import MetricsServer
             except ImportError as exc:
                 raise ConfigError(
                     f"--metrics-port needs prometheus-client ({exc}); "
@@ -103,7 +103,7 @@ class Monitor:
             ).start()
             self.metrics_address = self._metrics.address
         if opts.logdir is not None:
-            from consumer.tensorboard import TensorBoardWriter
+            from stagefeed.consumer.tensorboard import TensorBoardWriter
 
             self._tensorboard = TensorBoardWriter(
                 opts.logdir, self.snapshot, self.figures, opts.tensorboard_s

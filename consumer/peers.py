@@ -21,8 +21,7 @@ from collections.abc import Callable
 
 import zmq
 import zmq.utils.monitor
-
-from common.ledger import Ledger
+from stagefeed.common.ledger import Ledger
 
 log = logging.getLogger(__name__)
 

@@ -9,15 +9,14 @@ from typing import Any
 
 import tensorflow as tf
 import zmq
-
-from common import protocol
-from common.errors import BrokenError, ConfigError, ProtocolError
-from common.ipc_file import IpcFile
-from common.ledger import Ledger
-from common.lifecycle import join_threads
-from common.options import TrainerOptions
-from consumer.graph import FeedGraph
-from consumer.peers import PeerMonitor
+from stagefeed.common import protocol
+from stagefeed.common.errors import BrokenError, ConfigError, ProtocolError
+from stagefeed.common.ipc_file import IpcFile
+from stagefeed.common.ledger import Ledger
+from stagefeed.common.lifecycle import join_threads
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer.graph import FeedGraph
+from stagefeed.consumer.peers import PeerMonitor
 
 log = logging.getLogger(__name__)
 

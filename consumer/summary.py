@@ -7,8 +7,8 @@ import math
 import time
 from typing import Any
 
-from common.stats import percentile
-from consumer.trainer import Trainer
+from stagefeed.common.stats import percentile
+from stagefeed.consumer.trainer import Trainer
 
 
 def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, Any]:

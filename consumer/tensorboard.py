@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
-
-from common.errors import ConfigError
-from common.lifecycle import join_threads
-from consumer.figures import Figures, Snapshot
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.lifecycle import join_threads
+from stagefeed.consumer.figures import Figures, Snapshot
 
 if TYPE_CHECKING:
-    from consumer.trainer import StepRecord
+    from stagefeed.consumer.trainer import StepRecord
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

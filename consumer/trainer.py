@@ -11,13 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import tensorflow as tf
-
-from common.errors import ClosedError
-from common.ledger import Ledger
-from common.options import TrainerOptions
-from consumer import graph as feed_graph
-from consumer import malloc_policy
-from consumer.receiver import Availability, ReceivePool
+from stagefeed.common.errors import ClosedError
+from stagefeed.common.ledger import Ledger
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer import graph as feed_graph
+from stagefeed.consumer import malloc_policy
+from stagefeed.consumer.receiver import Availability, ReceivePool
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

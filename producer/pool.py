@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from common.errors import BrokenError
-from common.lifecycle import stop_processes
-from common.options import ProducerOptions
-from producer.worker import worker_main
+from stagefeed.common.errors import BrokenError
+from stagefeed.common.lifecycle import stop_processes
+from stagefeed.common.options import ProducerOptions
+from stagefeed.producer.worker import worker_main
 
 log = logging.getLogger(__name__)
 

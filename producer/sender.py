@@ -9,8 +9,7 @@ from typing import Any
 
 import zmq
 import zmq.utils.monitor
-
-from common.errors import BrokenError, ClosedError
+from stagefeed.common.errors import BrokenError, ClosedError
 
 log = logging.getLogger(__name__)
 

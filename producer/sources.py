@@ -7,9 +7,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
-
-from common.errors import ConfigError
-from common.spec import IMAGES, LABELS, BatchSpec
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.spec import IMAGES, LABELS, BatchSpec
 
 log = logging.getLogger(__name__)
 

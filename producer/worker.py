@@ -12,13 +12,12 @@ import time
 from typing import Any
 
 import zmq
-
-from common import protocol
-from common.errors import BrokenError, ClosedError
-from common.logs import setup_logging
-from common.options import ProducerOptions
-from producer.sender import BatchSender
-from producer.sources import open_source
+from stagefeed.common import protocol
+from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.logs import setup_logging
+from stagefeed.common.options import ProducerOptions
+from stagefeed.producer.sender import BatchSender
+from stagefeed.producer.sources import open_source
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ def produce(options: ProducerOptions, index: int, stop: Any) -> int:
     ctx = zmq.Context(io_threads=1)
     configure = None
     if options.curve_keys:
-        from common.curve import client_configurator
+        from stagefeed.common.curve import client_configurator
 
         configure = client_configurator(options.curve_keys)
     sender = BatchSender(

@@ -12,11 +12,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from common.errors import BrokenError, ConfigError
-from common.logs import setup_logging
-from common.options import ProducerOptions, TrainerOptions
-from common.spec import IMAGE_DTYPES, BatchSpec
 from stagefeed import envflags
+from stagefeed.common.errors import BrokenError, ConfigError
+from stagefeed.common.logs import setup_logging
+from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.spec import IMAGE_DTYPES, BatchSpec
 
 log = logging.getLogger("stagefeed")
 
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     from stagefeed import keygen  # CURVE key pairs for --curve-keys
 
     keygen.add_parser(sub)
-    from bench import cli as bench_cli  # no TensorFlow until a benchmark runs
+    from stagefeed.bench import cli as bench_cli  # no TensorFlow until a benchmark runs
 
     bench_cli.add_parser(sub)
     return parser

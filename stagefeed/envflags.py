@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from common.errors import ConfigError
+from stagefeed.common.errors import ConfigError
 
 PREFIX = "STAGEFEED_"
 

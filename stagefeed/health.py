@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common.errors import ConfigError
-from common.options import check_endpoint
 from stagefeed import envflags
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import check_endpoint
 
 DEFAULT_BIND = "tcp://*:5555"
 _WILDCARD_TCP = re.compile(r"tcp://(\*|0\.0\.0\.0):(\d+)")
@@ -134,7 +134,7 @@ def _health(args: argparse.Namespace) -> int:
     check_endpoint("--connect", endpoint)
     configure = None
     if args.curve_keys:
-        from common.curve import client_configurator
+        from stagefeed.common.curve import client_configurator
 
         configure = client_configurator(args.curve_keys)
     healthy, why = check(endpoint, args.timeout_s, configure)

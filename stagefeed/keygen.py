@@ -13,8 +13,8 @@ import shutil
 import zmq
 import zmq.auth
 
-from common import curve
-from common.errors import ConfigError
+from stagefeed.common import curve
+from stagefeed.common.errors import ConfigError
 
 MAX_CLIENTS = 1000
 

@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from common.errors import ClosedError
-from common.lifecycle import on_stop_signals
-from common.options import ProducerOptions, TrainerOptions
-from producer.pool import ProducerPool
+from stagefeed.common.errors import ClosedError
+from stagefeed.common.lifecycle import on_stop_signals
+from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.producer.pool import ProducerPool
 
 if TYPE_CHECKING:
-    from consumer.monitor import ObserveOptions
+    from stagefeed.consumer.monitor import ObserveOptions
 
 log = logging.getLogger("stagefeed")
 
@@ -42,7 +42,7 @@ def produce(options: ProducerOptions) -> int:
 def _check_client_keys(options: ProducerOptions) -> None:
     """Fail at start, naming the file, if the producers' CURVE keys are unusable."""
     if options.curve_keys:
-        from common.curve import client_configurator
+        from stagefeed.common.curve import client_configurator
 
         client_configurator(options.curve_keys)
 
@@ -50,14 +50,14 @@ def _check_client_keys(options: ProducerOptions) -> None:
 def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | None:
     if not options.curve_keys:
         return None
-    from common.curve import server_configurator
+    from stagefeed.common.curve import server_configurator
 
     return server_configurator(options.curve_keys)
 
 
 def observe_options(args: argparse.Namespace) -> ObserveOptions:
     """Progress, advice, TensorBoard and Prometheus settings from the trainer flags."""
-    from consumer.monitor import ObserveOptions
+    from stagefeed.consumer.monitor import ObserveOptions
 
     return ObserveOptions(
         progress_s=args.progress_s,
@@ -76,7 +76,7 @@ def _finish(
     json_path: str | None,
     final: dict[str, Any] | None = None,
 ) -> None:
-    from consumer.summary import format_text, summarize, write_json
+    from stagefeed.consumer.summary import format_text, summarize, write_json
 
     summary = summarize(trainer, time.monotonic() - started, interrupted=stop.is_set())
     summary.update(final or {})  # "advice" and "bottleneck" from the Monitor
@@ -88,8 +88,8 @@ def _finish(
 
 def train(options: TrainerOptions, json_path: str | None, observe: ObserveOptions) -> int:
     """Listen, train ``options.steps`` steps (or until a signal), print the summary."""
-    from consumer.monitor import Monitor
-    from consumer.trainer import Trainer
+    from stagefeed.consumer.monitor import Monitor
+    from stagefeed.consumer.trainer import Trainer
 
     stop = threading.Event()
     restore = on_stop_signals(lambda _sig: stop.set())
@@ -119,8 +119,8 @@ def run_local(
     producer_options: Callable[[argparse.Namespace, str, int], ProducerOptions],
 ) -> int:
     """The main job: a trainer and ``--producers`` producer processes on loopback."""
-    from consumer.monitor import Monitor
-    from consumer.trainer import Trainer
+    from stagefeed.consumer.monitor import Monitor
+    from stagefeed.consumer.trainer import Trainer
 
     ipc_path = None
     if args.transport == "ipc":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from consumer.figures import (
+from stagefeed.consumer.figures import (
     Figures,
     ProducerTotals,
     Snapshot,

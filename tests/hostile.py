@@ -14,8 +14,7 @@ import struct
 import msgpack
 import msgpack_numpy
 import numpy as np
-
-from common import protocol
+from stagefeed.common import protocol
 
 IMAGE_SHAPE = [2, 227, 227, 3]
 NUM_CLASSES = 1000

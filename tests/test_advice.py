@@ -6,9 +6,9 @@ import json
 import math
 
 import pytest
+from stagefeed.consumer import advice
+from stagefeed.consumer.advice import advise, producers_needed
 
-from consumer import advice
-from consumer.advice import advise, producers_needed
 from tests.conftest import TINY, run_cli
 from tests.figures_util import window
 

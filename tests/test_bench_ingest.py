@@ -9,9 +9,9 @@ import json
 import math
 
 import pytest
+from stagefeed.bench.rawzmq import measure_memcpy, measure_raw
+from stagefeed.common.spec import BatchSpec
 
-from bench.rawzmq import measure_memcpy, measure_raw
-from common.spec import BatchSpec
 from tests.conftest import run_cli
 
 TINY_SPEC = BatchSpec(batch_size=2, image_dtype="uint8")

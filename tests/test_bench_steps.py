@@ -13,8 +13,8 @@ import signal
 
 import psutil
 import pytest
+from stagefeed.bench.config import STEP_MODES, StepsConfig
 
-from bench.config import STEP_MODES, StepsConfig
 from tests.conftest import run_cli, wait_for
 
 pytestmark = pytest.mark.slow

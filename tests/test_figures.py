@@ -6,11 +6,10 @@ import math
 import threading
 
 import pytest
-
-from common.errors import DropReason
-from common.options import TrainerOptions
-from common.spec import BatchSpec
-from consumer.figures import (
+from stagefeed.common.errors import DropReason
+from stagefeed.common.options import TrainerOptions
+from stagefeed.common.spec import BatchSpec
+from stagefeed.consumer.figures import (
     ProducerTotals,
     Snapshot,
     StepCounters,
@@ -19,7 +18,7 @@ from consumer.figures import (
     figures_between,
     take_snapshot,
 )
-from consumer.trainer import StepRecord, Trainer
+from stagefeed.consumer.trainer import StepRecord, Trainer
 
 SPEC = BatchSpec(batch_size=2)
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-
-from common.errors import ConfigError
-from common.spec import BatchSpec
-from consumer import graph as feed_graph
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.spec import BatchSpec
+from stagefeed.consumer import graph as feed_graph
 
 v1 = tf.compat.v1
 SPEC = BatchSpec(batch_size=2)

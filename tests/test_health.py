@@ -11,9 +11,9 @@ import threading
 
 import pytest
 import zmq
+from stagefeed.common import curve
+from stagefeed.common.errors import ConfigError
 
-from common import curve
-from common.errors import ConfigError
 from stagefeed import health
 from stagefeed.keygen import write_keys
 from tests.conftest import cli_env, free_tcp_port, run_cli

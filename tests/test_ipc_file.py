@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import zmq
-
-from common.ipc_file import IpcFile
+from stagefeed.common.ipc_file import IpcFile
 
 
 def _bind(ctx: zmq.Context, endpoint: str) -> zmq.Socket:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from common.errors import DropReason
-from common.ledger import UNIDENTIFIED, Ledger
+from stagefeed.common.errors import DropReason
+from stagefeed.common.ledger import UNIDENTIFIED, Ledger
 
 
 def test_accept_enqueue_train_accounting():

@@ -10,7 +10,7 @@ from tests.conftest import REPO
 PROBE = """
 import resource, sys
 import numpy as np
-from consumer.malloc_policy import keep_freed_memory
+from stagefeed.consumer.malloc_policy import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 for _ in range(2):  # warm up: the first batch always faults in

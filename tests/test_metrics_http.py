@@ -10,13 +10,13 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import TrainerOptions
+from stagefeed.common.spec import BatchSpec
+from stagefeed.consumer.figures import StepCounters, take_snapshot
+from stagefeed.consumer.metrics_http import MetricsServer
+from stagefeed.consumer.trainer import StepRecord, Trainer
 
-from common.errors import ConfigError
-from common.options import TrainerOptions
-from common.spec import BatchSpec
-from consumer.figures import StepCounters, take_snapshot
-from consumer.metrics_http import MetricsServer
-from consumer.trainer import StepRecord, Trainer
 from tests.conftest import TINY, cli_env, free_tcp_port, run_cli, wait_for
 
 SPEC = BatchSpec(batch_size=2)

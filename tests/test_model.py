@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-
-from common.errors import ConfigError
-from consumer import model
+from stagefeed.common.errors import ConfigError
+from stagefeed.consumer import model
 
 v1 = tf.compat.v1
 

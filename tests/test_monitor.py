@@ -12,12 +12,12 @@ import math
 import time
 
 import pytest
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import TrainerOptions
+from stagefeed.common.spec import BatchSpec
+from stagefeed.consumer.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
+from stagefeed.consumer.trainer import StepRecord, Trainer
 
-from common.errors import ConfigError
-from common.options import TrainerOptions
-from common.spec import BatchSpec
-from consumer.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
-from consumer.trainer import StepRecord, Trainer
 from tests.figures_util import window
 
 SPEC = BatchSpec(batch_size=2)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from common.errors import ConfigError
-from common.options import ProducerOptions, TrainerOptions
-from common.spec import BatchSpec
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.spec import BatchSpec
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import zmq
+from stagefeed.common.ledger import Ledger
+from stagefeed.consumer.peers import THREAD_NAME, PeerMonitor
 
-from common.ledger import Ledger
-from consumer.peers import THREAD_NAME, PeerMonitor
 from stagefeed.keygen import write_keys
 from tests.conftest import wait_for
 
@@ -95,7 +95,7 @@ def test_events_after_stop_are_not_booked_and_the_socket_keeps_working(bound):
 
 
 def test_refusals_are_counted_each_and_logged_once(tmp_path, caplog):
-    from common import curve
+    from stagefeed.common import curve
 
     keys = str(tmp_path / "keys")
     write_keys(keys, 0)
@@ -105,7 +105,7 @@ def test_refusals_are_counted_each_and_logged_once(tmp_path, caplog):
     plain = [ctx.socket(zmq.PUSH) for _ in range(3)]
     failed = ("handshake_failed_protocol", "handshake_failed_no_detail")
     try:
-        with caplog.at_level(logging.WARNING, logger="consumer.peers"):
+        with caplog.at_level(logging.WARNING, logger="stagefeed.consumer.peers"):
             for sock in plain:  # libzmq does not retry a refused handshake: three peers
                 sock.connect(f"tcp://127.0.0.1:{bound.port}")
 

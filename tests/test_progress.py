@@ -9,8 +9,8 @@ import subprocess
 import threading
 
 import pytest
+from stagefeed.consumer.progress import CLEAR_LINE, TTY_INTERVAL_S, Progress, format_line
 
-from consumer.progress import CLEAR_LINE, TTY_INTERVAL_S, Progress, format_line
 from tests.conftest import REPO, TINY, cli, cli_env
 from tests.figures_util import window
 

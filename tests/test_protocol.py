@@ -5,10 +5,9 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
-
-from common import protocol
-from common.errors import DropReason, ProtocolError
-from common.spec import ALLOWED_DTYPES, BatchSpec
+from stagefeed.common import protocol
+from stagefeed.common.errors import DropReason, ProtocolError
+from stagefeed.common.spec import ALLOWED_DTYPES, BatchSpec
 
 
 def _frames(arrays, producer="p-1", seq=7):

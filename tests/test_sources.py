@@ -6,10 +6,9 @@ import itertools
 
 import numpy as np
 import pytest
-
-from common.errors import ConfigError
-from common.spec import BatchSpec
-from producer.sources import SyntheticSource, UserSource, open_source
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.spec import BatchSpec
+from stagefeed.producer.sources import SyntheticSource, UserSource, open_source
 
 SPEC = BatchSpec(batch_size=4, height=8, width=8, num_classes=10)
 

@@ -10,14 +10,14 @@ import threading
 
 import pytest
 import tensorflow as tf
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import TrainerOptions
+from stagefeed.common.spec import BatchSpec
+from stagefeed.consumer.figures import StepCounters, take_snapshot
+from stagefeed.consumer.monitor import Monitor, ObserveOptions
+from stagefeed.consumer.tensorboard import TensorBoardWriter
+from stagefeed.consumer.trainer import StepRecord, Trainer
 
-from common.errors import ConfigError
-from common.options import TrainerOptions
-from common.spec import BatchSpec
-from consumer.figures import StepCounters, take_snapshot
-from consumer.monitor import Monitor, ObserveOptions
-from consumer.tensorboard import TensorBoardWriter
-from consumer.trainer import StepRecord, Trainer
 from tests.conftest import TINY, run_cli
 
 STEP_TAGS = ("step/ms", "step/wait_ms", "step/compute_ms", "step/loss", "step/queue_batches")

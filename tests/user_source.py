@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-
-from common.spec import BatchSpec
+from stagefeed.common.spec import BatchSpec
 
 
 def batches(spec: BatchSpec, worker_index: int):
