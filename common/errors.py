@@ -31,23 +31,29 @@ class BrokenError(StagefeedError):
     """The component failed because of something outside it (peer, OS, child process)."""
 
 
-class DropReason(str, enum.Enum):
+class DropReason(enum.StrEnum):
     """Why a received message was dropped. Values are stable: they appear in summaries."""
 
-    PARTS = "parts"  # wrong number of frames
+    PARTS = "parts"  # wrong number of frames (counted while receiving, before materialising)
+    MESSAGE_SIZE = "message_size"  # frames add up to more than the trainer accepts
     HEADER_SIZE = "header_size"  # header frame larger than allowed
     HEADER_NOT_MSGPACK = "header_not_msgpack"
     HEADER_NOT_MAP = "header_not_map"
     HEADER_FIELDS = "header_fields"  # missing, extra or ill-typed fields
     VERSION = "version"  # unknown protocol version
-    PRODUCER_ID = "producer_id"  # producer id empty, too long or with odd characters
+    KIND = "kind"  # a message kind this side does not take
+    HELLO = "hello"  # a malformed hello (name, schema declaration)
+    NO_HELLO = "no_hello"  # a batch on a connection that has not said hello
+    NO_CREDIT = "no_credit"  # a batch the trainer did not ask for (flow control ignored)
     DTYPE = "dtype"  # dtype not on the allow-list (object dtypes included)
     SHAPE = "shape"  # negative, zero, too many or huge dimensions
     FRAME_SIZE = "frame_size"  # shape x itemsize differs from the frame's size
-    SPEC_MISMATCH = "spec_mismatch"  # names, dtypes or shapes differ from the trainer's spec
-    LABEL_RANGE = "label_range"  # a label outside [0, num_classes)
-    DUPLICATE = "duplicate"  # a (producer, seq) pair seen before
-    PRODUCER_LIMIT = "producer_limit"  # more distinct producer ids than the trainer tracks
+    SPEC_MISMATCH = "spec_mismatch"  # names, dtypes or shapes differ from the trainer's schema
+    VALUE_RANGE = "value_range"  # a value outside an array's declared bounds
+    DUPLICATE = "duplicate"  # a sequence number this connection sent before
+    SEQ_RANGE = "seq_range"  # a sequence number far outside the connection's window
+    PEER_LIMIT = "peer_limit"  # more connections than the trainer tracks
+    INTERNAL = "internal"  # an unexpected error while handling the message (logged in full)
 
 
 class ProtocolError(StagefeedError):

@@ -1,46 +1,76 @@
-"""Wire protocol: one batch is one ZeroMQ multipart message.
+"""Wire protocol v2: producers (DEALER) talk to the trainer (ROUTER), one message per batch.
 
-Frame 0 is a msgpack map, the header::
+Every message starts with a msgpack map, the header, ``{"v": 2, "t": KIND, ...}``. From a
+producer:
 
-    {"v": 1, "producer": "host-1234-ab12cd", "seq": 17,
-     "arrays": [["images", "<f4", [256, 227, 227, 3]], ["labels", "<i4", [256]]]}
+- ``hello``  ``{"name": str, "schema": Schema.to_dict() | None}``: first on every connection;
+  ``None`` asks for the trainer's schema.
+- ``batch``  ``{"seq": int, "arrays": [[name, dtype.str, shape], ...]}``, then one raw frame
+  per array, C order, in the header's order. Sent only against credit (see below).
+- ``end``    ``{"seq": int}``: the source ended after ``seq`` batches (0..seq-1).
+- ``ping``   ``{}``: still here (sent while idle, so the trainer keeps its credit).
 
-Frames 1..n hold the raw bytes of each array, C order, in the header's order.
+From the trainer:
+
+- ``welcome`` ``{"schema": dict, "max_message": int, "credit": int}``: hello accepted.
+- ``refused`` ``{"reason": str, "detail": str}``: hello refused (schema mismatch, limits).
+- ``credit``  ``{"n": int}``: the producer may send ``n`` more batches.
+- ``dropped`` ``{"seq": int, "reason": str, "detail": str}``: a batch was refused, and why.
+- ``bye``     ``{}``: the trainer is closing.
 
 Decoding is zero-copy (``np.frombuffer`` over the received frame) and strict: every field is
-type-checked, dtypes come from an allow-list, and shape x itemsize must equal the frame size.
-Only plain msgpack reads the header, with extension types refused: no pickle, no
-msgpack-numpy decoder ever sees received bytes.
+type-checked, dtypes come from an allow-list, shape x itemsize must equal the frame size, and
+nothing but ``ProtocolError`` leaves a decoder (no ``repr`` of peer data: bounded excerpts).
+Only plain msgpack reads a header, with extension types refused: no pickle, no msgpack-numpy
+decoder ever sees received bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
 import numpy as np
 from stagefeed.common.errors import DropReason, ProtocolError
-from stagefeed.common.spec import ALLOWED_DTYPES, BatchSpec
+from stagefeed.common.schema import (
+    ALLOWED_DTYPES,
+    MAX_ARRAYS,
+    MAX_DIM,
+    MAX_NAME_LEN,
+    MAX_NDIM,
+    Schema,
+    bounds_problem,
+    excerpt,
+)
 
-PROTOCOL_VERSION = 1
-MAX_HEADER_BYTES = 4096
-MAX_ARRAYS = 16
-MAX_NDIM = 8
-MAX_DIM = 2**31 - 1
-MAX_NAME_LEN = 64
-HEADER_KEYS = frozenset(["v", "producer", "seq", "arrays"])
-_PRODUCER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+PROTOCOL_VERSION = 2
+MAX_HEADER_BYTES = 16384
+MAX_DETAIL_LEN = 300
+MAX_PRODUCER_NAME = 64
+FROM_PRODUCER = frozenset(["hello", "batch", "end", "ping"])
+FROM_TRAINER = frozenset(["welcome", "refused", "credit", "dropped", "bye"])
+# Keys of each kind besides "v" and "t", with the Python types they must have.
+_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "hello": {"name": (str,), "schema": (dict, type(None))},
+    "batch": {"seq": (int,), "arrays": (list,)},
+    "end": {"seq": (int,)},
+    "ping": {},
+    "welcome": {"schema": (dict,), "max_message": (int,), "credit": (int,)},
+    "refused": {"reason": (str,), "detail": (str,)},
+    "credit": {"n": (int,)},
+    "dropped": {"seq": (int,), "reason": (str,), "detail": (str,)},
+    "bye": {},
+}
+_INT_RANGE = {"seq": (0, 2**63), "max_message": (1, 2**40), "credit": (0, 2**20), "n": (1, 2**20)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """A decoded message. ``arrays`` are read-only views over the received frames."""
+    """A decoded batch. ``arrays`` are read-only views over the received frames."""
 
-    producer: str
     seq: int
     arrays: dict[str, np.ndarray]
     nbytes: int
@@ -50,14 +80,21 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not accepted")
 
 
-def encode(producer: str, seq: int, arrays: Sequence[tuple[str, np.ndarray]]) -> list[Any]:
+def encode_control(kind: str, **fields: Any) -> bytes:
+    """One control message (every kind but ``batch``), checked against its field table."""
+    if set(fields) != set(_FIELDS[kind]) or kind == "batch":
+        raise ValueError(f"{kind}: fields {sorted(fields)}, expected {sorted(_FIELDS[kind])}")
+    if "detail" in fields:
+        fields["detail"] = fields["detail"][:MAX_DETAIL_LEN]
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": kind, **fields})
+
+
+def encode_batch(seq: int, arrays: Sequence[tuple[str, np.ndarray]]) -> list[Any]:
     """Frames for one batch: the header bytes, then each array's buffer (no copy).
 
     Arrays must be C-contiguous and of an allowed dtype; the caller keeps them unmodified
-    until ZeroMQ has sent them (see ``producer.sender``).
+    until ZeroMQ has sent them (see ``producer.channel``).
     """
-    if not _PRODUCER_ID.fullmatch(producer):
-        raise ValueError(f"producer id {producer!r} must match {_PRODUCER_ID.pattern}")
     specs = []
     frames: list[Any] = []
     for name, array in arrays:
@@ -66,23 +103,58 @@ def encode(producer: str, seq: int, arrays: Sequence[tuple[str, np.ndarray]]) ->
         if not array.flags.c_contiguous:
             raise ValueError(f"array {name!r} must be C-contiguous")
         specs.append([name, array.dtype.str, list(array.shape)])
-        frames.append(memoryview(array).cast("B"))
-    header = msgpack.packb(
-        {"v": PROTOCOL_VERSION, "producer": producer, "seq": seq, "arrays": specs}
-    )
+        frames.append(memoryview(array).cast("B") if array.nbytes else b"")
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "t": "batch", "seq": seq, "arrays": specs})
     return [header, *frames]
 
 
-def decode(frames: Sequence[Any]) -> Batch:
-    """Decode and validate one received message; raise ``ProtocolError`` if it is malformed.
+def decode_header(raw: Any, kinds: frozenset[str]) -> dict[str, Any]:
+    """The header map of a message, its kind in ``kinds`` and every field well-typed."""
+    view = memoryview(raw)
+    if view.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(DropReason.HEADER_SIZE, f"{view.nbytes} B > {MAX_HEADER_BYTES} B")
+    try:
+        header = msgpack.unpackb(
+            view,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            use_list=True,
+        )
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types; none may escape
+        detail = f"{type(exc).__name__}: {str(exc)[:120]}"
+        raise ProtocolError(DropReason.HEADER_NOT_MSGPACK, detail) from None
+    if not isinstance(header, dict):
+        raise ProtocolError(DropReason.HEADER_NOT_MAP, type(header).__name__)
+    if header.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(DropReason.VERSION, f"version {excerpt(header.get('v'))}")
+    kind = header.get("t")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise ProtocolError(DropReason.KIND, f"message kind {excerpt(kind)}")
+    fields = _FIELDS[kind]
+    if set(header) != {"v", "t", *fields}:
+        extra = sorted(excerpt(k) for k in set(header) - {"v", "t", *fields})[:4]
+        missing = sorted(set(fields) - set(header))
+        raise ProtocolError(
+            DropReason.HEADER_FIELDS, f"{kind}: unexpected {extra}, missing {missing}"
+        )
+    for key, types in fields.items():
+        value = header[key]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")
+        if key in _INT_RANGE and not _INT_RANGE[key][0] <= value < _INT_RANGE[key][1]:
+            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")
+    return header
 
-    ``frames`` are buffer-protocol objects (``zmq.Frame``, ``bytes``). The returned arrays
-    alias them.
+
+def decode_batch(header: Mapping[str, Any], frames: Sequence[Any]) -> Batch:
+    """The arrays of a ``batch`` message whose ``header`` is decoded; frames 1.. are the data.
+
+    ``frames`` are buffer-protocol objects (``zmq.Frame``, ``bytes``); the arrays alias them.
     """
-    if not 2 <= len(frames) <= 1 + MAX_ARRAYS:
-        raise ProtocolError(DropReason.PARTS, f"{len(frames)} frames")
-    header = _decode_header(memoryview(frames[0]))
     declared = header["arrays"]
+    if not 0 < len(declared) <= MAX_ARRAYS:
+        raise ProtocolError(DropReason.PARTS, f"header declares {len(declared)} arrays")
     if len(declared) != len(frames) - 1:
         raise ProtocolError(
             DropReason.PARTS, f"header declares {len(declared)} arrays, got {len(frames) - 1}"
@@ -98,81 +170,71 @@ def decode(frames: Sequence[Any]) -> Batch:
         if view.nbytes != expected:
             raise ProtocolError(
                 DropReason.FRAME_SIZE,
-                f"array {name!r}: shape {shape} x {dtype.itemsize} B = {expected} B, "
+                f"array {name!r}: shape {list(shape)} x {dtype.itemsize} B = {expected} B, "
                 f"frame has {view.nbytes} B",
             )
         arrays[name] = np.frombuffer(view, dtype=dtype).reshape(shape)
         total += view.nbytes
-    return Batch(header["producer"], header["seq"], arrays, total)
+    return Batch(header["seq"], arrays, total)
 
 
-def check_against_spec(batch: Batch, spec: BatchSpec) -> None:
-    """Raise ``ProtocolError`` unless ``batch`` is exactly what the trainer was configured for."""
-    expected = spec.arrays()
-    if [name for name, _, _ in expected] != list(batch.arrays):
+def check_against_schema(batch: Batch, schema: Schema) -> None:
+    """Raise ``ProtocolError`` unless ``batch`` is exactly what the trainer's schema says."""
+    if list(batch.arrays) != list(schema.names):
         raise ProtocolError(
             DropReason.SPEC_MISMATCH,
-            f"arrays {list(batch.arrays)}, expected {[n for n, _, _ in expected]}",
+            f"arrays {list(batch.arrays)}, expected {list(schema.names)}",
         )
-    for name, dtype, shape in expected:
-        array = batch.arrays[name]
-        if array.dtype != dtype or array.shape != shape:
+    for spec in schema.arrays:
+        array = batch.arrays[spec.name]
+        shape = schema.batch_shape(spec)
+        if array.dtype != spec.np_dtype or array.shape != shape:
             raise ProtocolError(
                 DropReason.SPEC_MISMATCH,
-                f"{name}: {array.dtype}{list(array.shape)}, expected {dtype}{list(shape)}",
+                f"{spec.name}: {array.dtype}{list(array.shape)}, "
+                f"expected {spec.dtype}{list(shape)}",
             )
-    labels = batch.arrays["labels"]
-    low, high = int(labels.min()), int(labels.max())
-    if low < 0 or high >= spec.num_classes:
-        raise ProtocolError(
-            DropReason.LABEL_RANGE,
-            f"labels span [{low}, {high}], allowed [0, {spec.num_classes})",
-        )
+        problem = bounds_problem(spec, array)
+        if problem:
+            raise ProtocolError(DropReason.VALUE_RANGE, problem)
 
 
-def _decode_header(raw: memoryview) -> dict[str, Any]:
-    if raw.nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError(DropReason.HEADER_SIZE, f"{raw.nbytes} B > {MAX_HEADER_BYTES} B")
+def schema_of_hello(header: Mapping[str, Any]) -> Schema | None:
+    """The schema a hello declares (``None``: it asks for the trainer's); ``ProtocolError`` if
+    the declaration is malformed.
+    """
+    from stagefeed.common.errors import ConfigError
+
+    declared = header["schema"]
+    if declared is None:
+        return None
     try:
-        header = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True
-        )
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        detail = f"{type(exc).__name__}: {exc}"  # some msgpack errors have no message
-        raise ProtocolError(DropReason.HEADER_NOT_MSGPACK, detail[:200]) from None
-    if not isinstance(header, dict):
-        raise ProtocolError(DropReason.HEADER_NOT_MAP, type(header).__name__)
-    if "v" in header and header["v"] != PROTOCOL_VERSION:
-        raise ProtocolError(DropReason.VERSION, f"version {header['v']!r}")
-    if set(header) != HEADER_KEYS:
-        raise ProtocolError(DropReason.HEADER_FIELDS, f"keys {sorted(map(str, header))}")
-    producer, seq, arrays = header["producer"], header["seq"], header["arrays"]
-    if not isinstance(producer, str) or not _PRODUCER_ID.fullmatch(producer):
-        raise ProtocolError(DropReason.PRODUCER_ID, repr(producer)[:80])
-    if not _is_int(seq) or not 0 <= seq < 2**63:
-        raise ProtocolError(DropReason.HEADER_FIELDS, f"seq {seq!r}"[:80])
-    if not isinstance(arrays, list):
-        raise ProtocolError(DropReason.HEADER_FIELDS, "arrays is not a list")
-    return header
+        return Schema.from_dict(declared, source="hello schema")
+    except ConfigError as exc:
+        raise ProtocolError(DropReason.HELLO, str(exc)[:MAX_DETAIL_LEN]) from None
+
+
+def check_producer_name(name: str) -> str:
+    """A producer's self-declared name, for logs and the books; never an identity."""
+    if not 0 < len(name) <= MAX_PRODUCER_NAME or not name.isprintable():
+        raise ProtocolError(DropReason.HELLO, f"producer name {excerpt(name)}")
+    return name
 
 
 def _check_array_entry(entry: Any) -> tuple[str, np.dtype, tuple[int, ...]]:
     if not (isinstance(entry, list) and len(entry) == 3):
-        raise ProtocolError(DropReason.HEADER_FIELDS, f"array entry {entry!r}"[:120])
+        raise ProtocolError(DropReason.HEADER_FIELDS, f"array entry {excerpt(entry)}")
     name, dtype_str, shape = entry
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
-        raise ProtocolError(DropReason.HEADER_FIELDS, f"array name {name!r}"[:120])
+        raise ProtocolError(DropReason.HEADER_FIELDS, f"array name {excerpt(name)}")
     # Checked against the allow-list *before* numpy parses it.
     if not isinstance(dtype_str, str) or dtype_str not in ALLOWED_DTYPES:
-        raise ProtocolError(DropReason.DTYPE, f"{name}: dtype {dtype_str!r}"[:120])
+        raise ProtocolError(DropReason.DTYPE, f"{excerpt(name)}: dtype {excerpt(dtype_str)}")
     if (
         not isinstance(shape, list)
-        or not 0 < len(shape) <= MAX_NDIM
-        or not all(_is_int(d) and 0 < d <= MAX_DIM for d in shape)
+        or not 0 < len(shape) <= MAX_NDIM + 1
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_DIM
+                   for d in shape)
     ):
-        raise ProtocolError(DropReason.SHAPE, f"{name}: shape {shape!r}"[:120])
+        raise ProtocolError(DropReason.SHAPE, f"{excerpt(name)}: shape {excerpt(shape)}")
     return name, np.dtype(dtype_str), tuple(shape)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
