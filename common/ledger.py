@@ -1,4 +1,10 @@
-"""The trainer's books: every message received is trained, still queued at stop, or dropped."""
+"""The trainer's books: every batch received is trained, still queued at stop, or dropped.
+
+Books belong to a *connection*, not to a name a message claims: the intake opens an entry when
+a connection says hello and hands batches in under that entry's index, so no header can write
+into another connection's books. The producer's self-declared name (and its CURVE key, when
+keys are used) only labels the entry.
+"""
 
 from __future__ import annotations
 
@@ -14,19 +20,24 @@ from stagefeed.common.sequence import SequenceTracker
 
 log = logging.getLogger(__name__)
 
-# Drops from messages whose producer is unknown (unparseable header, or never accepted) are
-# booked here, so hostile ids cannot grow the ledger.
+# Drops from connections without books (no hello, or a malformed message before one).
 UNIDENTIFIED = "<unidentified>"
-MAX_PRODUCERS = 1024
+# Entries kept at most; a connection that said hello and delivered nothing is forgotten when it
+# goes away, so hello floods cannot fill the books.
+MAX_ENTRIES = 1024
+MAX_REFUSED_NAMES = 256
+# A sequence number more than this far past a connection's highest is refused and does not
+# move its window (one connection delivers in order; a gap this large is forged).
+MAX_SEQ_AHEAD = 1 << 16
 # At most one log line per reason in this many seconds: a junk flood must not flood the log.
 DROP_LOG_INTERVAL_S = 5.0
 
 
 @dataclasses.dataclass
 class ProducerStats:
-    """What one producer delivered. ``index`` is its small integer id inside the TF queue."""
+    """What one connection delivered. ``index`` is its small integer id inside the TF queue."""
 
-    producer: str
+    label: str
     index: int
     first_seen: float
     last_seen: float = 0.0
@@ -34,71 +45,104 @@ class ProducerStats:
     received_bytes: int = 0
     enqueued: int = 0
     trained: int = 0
+    ended_after: int | None = None  # the producer's ``end``: batches it sent on this connection
     sequence: SequenceTracker = dataclasses.field(default_factory=SequenceTracker)
     trained_sequence: SequenceTracker = dataclasses.field(default_factory=SequenceTracker)
+    drops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class Ledger:
-    """Thread-safe accounting shared by the receive threads and the train loop.
+    """Thread-safe accounting shared by the intake, the enqueue threads and the train loop.
 
-    Invariant, per producer, at any quiescent moment::
+    Invariant, per entry, at any quiescent moment::
 
-        received == enqueued + in_hand + dropped(after header)   and
-        enqueued == trained + queued (FIFOQueue + staging area)
+        received == enqueued + in_hand + not_enqueued_at_stop   and
+        enqueued == trained + queued (FIFOQueue + staging / prefetch)
 
-    ``summary()`` reports ``queued_at_stop = enqueued - trained`` once training has stopped.
+    Drops are counted apart (by reason), under the entry when the connection has one.
     """
 
-    def __init__(self, max_producers: int = MAX_PRODUCERS) -> None:
+    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
         self._lock = threading.Lock()
-        self._max_producers = max_producers
-        self._by_id: dict[str, ProducerStats] = {}
-        self._by_index: list[ProducerStats] = []
-        self._drops: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._max_entries = max_entries
+        self._entries: dict[int, ProducerStats] = {}
+        self._next_index = 0
+        self._unidentified: collections.Counter[str] = collections.Counter()
+        self._refused: dict[str, collections.Counter[str]] = {}
         self._last_drop_log: dict[str, float] = {}
         self._peer_events: collections.Counter[str] = collections.Counter()
-        self.started = time.monotonic()
 
-    def accept(self, producer: str, seq: int, nbytes: int) -> int | None:
-        """Book a valid message; return the producer's index, or None if it must be dropped."""
+    def open(self, label: str) -> int | None:
+        """A new entry for a connection that said hello; None when the books are full."""
+        with self._lock:
+            if len(self._entries) >= self._max_entries:
+                self._unidentified[DropReason.PEER_LIMIT.value] += 1
+                return None
+            index = self._next_index
+            self._next_index += 1
+            self._entries[index] = ProducerStats(label, index, first_seen=time.monotonic())
+        log.info("producer %s connected (index %d)", label, index)
+        return index
+
+    def forget_if_idle(self, index: int) -> bool:
+        """Drop the entry of a connection that went away having delivered nothing."""
+        with self._lock:
+            stats = self._entries.get(index)
+            if stats is None or stats.received or stats.drops:
+                return False
+            del self._entries[index]
+            return True
+
+    def accept(self, index: int, seq: int, nbytes: int) -> DropReason | None:
+        """Book a valid batch of entry ``index``; the reason to drop it instead, if any."""
         now = time.monotonic()
         with self._lock:
-            stats = self._by_id.get(producer)
-            if stats is None:
-                if len(self._by_index) >= self._max_producers:
-                    reason, who = DropReason.PRODUCER_LIMIT, UNIDENTIFIED
-                else:
-                    stats = ProducerStats(producer, len(self._by_index), first_seen=now)
-                    self._by_id[producer] = stats
-                    self._by_index.append(stats)
-                    log.info("producer %s connected (index %d)", producer, stats.index)
-            if stats is not None:
-                if stats.sequence.record(seq):
-                    stats.received += 1
-                    stats.received_bytes += nbytes
-                    stats.last_seen = now
-                    return stats.index
-                reason, who = DropReason.DUPLICATE, producer
-            self._drops[(who, reason.value)] += 1
-        self._log_drop(reason, f"producer {producer} seq {seq}")
-        return None
+            stats = self._entries[index]
+            if stats.sequence.highest >= 0 and seq > stats.sequence.highest + MAX_SEQ_AHEAD:
+                reason = DropReason.SEQ_RANGE
+            elif stats.sequence.record(seq):
+                stats.received += 1
+                stats.received_bytes += nbytes
+                stats.last_seen = now
+                return None
+            else:
+                reason = DropReason.DUPLICATE
+            stats.drops[reason.value] += 1
+        self._log_drop(reason, f"producer {stats.label} seq {seq}")
+        return reason
 
-    def drop(self, reason: DropReason, detail: str, producer: str | None = None) -> None:
-        """Book a malformed message. ``producer`` counts only if it delivered valid batches."""
+    def drop(self, reason: DropReason, detail: str, index: int | None = None) -> None:
+        """Book a refused message, under its connection's entry when it has one."""
         with self._lock:
-            who = producer if producer in self._by_id else UNIDENTIFIED
-            self._drops[(who, reason.value)] += 1
+            stats = self._entries.get(index) if index is not None else None
+            if stats is not None:
+                stats.drops[reason.value] += 1
+            else:
+                self._unidentified[reason.value] += 1
         self._log_drop(reason, detail)
+
+    def refused(self, name: str, reason: str, detail: str) -> None:
+        """Book a refused hello by the producer's declared name (bounded number of names)."""
+        with self._lock:
+            key = name if name in self._refused or len(self._refused) < MAX_REFUSED_NAMES else "*"
+            self._refused.setdefault(key, collections.Counter())[reason] += 1
+            total = sum(self._refused[key].values())
+        log.warning("refused producer %s (%s, %d so far): %s", name, reason, total, detail)
+
+    def ended(self, index: int, count: int) -> None:
+        with self._lock:
+            self._entries[index].ended_after = count
+        log.info("producer %s: end of data after %d batches", self._entries[index].label, count)
 
     def enqueued(self, index: int) -> None:
         with self._lock:
-            self._by_index[index].enqueued += 1
+            self._entries[index].enqueued += 1
 
     def trained(self, indices: Iterable[int], seqs: Iterable[int]) -> None:
-        """Book batches the train op consumed, identified by (producer index, seq)."""
+        """Book batches the train step consumed, identified by (entry index, seq)."""
         with self._lock:
             for index, seq in zip(indices, seqs, strict=True):
-                stats = self._by_index[int(index)]
+                stats = self._entries[int(index)]
                 stats.trained += 1
                 stats.trained_sequence.record(int(seq))
 
@@ -108,45 +152,55 @@ class Ledger:
             self._peer_events[name] += 1
 
     def peer_events(self) -> dict[str, int]:
-        """Connection events so far: accepted, disconnected, handshake failures by kind."""
         with self._lock:
             return dict(self._peer_events)
 
     def producer_count(self) -> int:
         with self._lock:
-            return len(self._by_index)
+            return len(self._entries)
 
     def totals(self) -> dict[str, int]:
         """Cheap aggregate counters for progress lines and metrics."""
         with self._lock:
+            entries = self._entries.values()
             return {
-                "received": sum(s.received for s in self._by_index),
-                "received_bytes": sum(s.received_bytes for s in self._by_index),
-                "enqueued": sum(s.enqueued for s in self._by_index),
-                "trained": sum(s.trained for s in self._by_index),
-                "dropped": sum(self._drops.values()),
-                "seq_missing": sum(s.sequence.missing for s in self._by_index),
+                "received": sum(s.received for s in entries),
+                "received_bytes": sum(s.received_bytes for s in entries),
+                "enqueued": sum(s.enqueued for s in entries),
+                "trained": sum(s.trained for s in entries),
+                "dropped": sum(sum(s.drops.values()) for s in entries)
+                + sum(self._unidentified.values()),
+                "seq_missing": sum(s.sequence.missing for s in entries),
             }
 
     def drops_by_reason(self) -> dict[str, int]:
         with self._lock:
-            out: collections.Counter[str] = collections.Counter()
-            for (_, reason), n in self._drops.items():
-                out[reason] += n
+            out: collections.Counter[str] = collections.Counter(self._unidentified)
+            for s in self._entries.values():
+                out.update(s.drops)
             return dict(out)
 
+    def refusals(self) -> dict[str, dict[str, int]]:
+        """Refused hellos by declared producer name, then reason."""
+        with self._lock:
+            return {name: dict(c) for name, c in self._refused.items()}
+
     def summary(self) -> dict[str, dict]:
-        """Per producer (plus ``<unidentified>`` for drops without one): every count."""
+        """Per connection (plus ``<unidentified>`` for drops without one): every count."""
         with self._lock:
             out: dict[str, dict] = {}
-            for s in self._by_index:
-                out[s.producer] = {
+            labels = collections.Counter(s.label for s in self._entries.values())
+            for s in self._entries.values():
+                # One producer reconnecting opens a second entry under the same name.
+                key = s.label if labels[s.label] == 1 else f"{s.label}#{s.index}"
+                out[key] = {
                     "received": s.received,
                     "received_mb": round(s.received_bytes / 2**20, 3),
                     "trained": s.trained,
                     "queued_at_stop": s.enqueued - s.trained,
                     "not_enqueued": s.received - s.enqueued,
-                    "dropped": {},
+                    "dropped": dict(s.drops),
+                    "ended_after": s.ended_after,
                     "seq_first": s.sequence.lowest,
                     "seq_last": s.sequence.highest,
                     "seq_missing": s.sequence.missing,
@@ -154,9 +208,12 @@ class Ledger:
                     "trained_duplicates": s.trained_sequence.duplicates,
                     "active_s": round(max(s.last_seen - s.first_seen, 0.0), 3),
                 }
-            for (who, reason), n in sorted(self._drops.items()):
-                entry = out.setdefault(who, {"received": 0, "trained": 0, "dropped": {}})
-                entry["dropped"][reason] = n
+            if self._unidentified:
+                out[UNIDENTIFIED] = {
+                    "received": 0,
+                    "trained": 0,
+                    "dropped": dict(self._unidentified),
+                }
             return out
 
     def _log_drop(self, reason: DropReason, detail: str) -> None:
@@ -166,5 +223,4 @@ class Ledger:
             if now - last < DROP_LOG_INTERVAL_S:
                 return
             self._last_drop_log[reason.value] = now
-            total = sum(n for (_, r), n in self._drops.items() if r == reason.value)
-        log.warning("dropped message (%s, %d so far): %s", reason.value, total, detail[:200])
+        log.warning("dropped message (%s): %s", reason.value, detail[:200])

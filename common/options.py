@@ -9,7 +9,7 @@ import dataclasses
 import re
 
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.spec import BatchSpec
+from stagefeed.common.schema import DEFAULT_SCHEMA, Schema
 
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
 DEVICES = ("auto", "cpu", "gpu")
@@ -39,7 +39,7 @@ class ProducerOptions:
 
     connect: str = "tcp://127.0.0.1:5555"
     workers: int = 1
-    spec: BatchSpec = dataclasses.field(default_factory=BatchSpec)
+    schema: Schema | None = None  # None: the trainer's, learnt from its welcome
     source: str = "synthetic"
     inflight_mb: float = 512.0
     rate: float = 0.0  # batches per second per worker; 0 = as fast as the trainer takes them
@@ -57,10 +57,9 @@ class ProducerOptions:
         if self.source != "synthetic" and not re.fullmatch(r"[\w.]+:\w+", self.source):
             raise ConfigError(f"source must be 'synthetic' or module:function, got {self.source!r}")
 
-    @property
-    def max_unsent(self) -> int:
+    def max_unsent(self, schema: Schema) -> int:
         """Batches a producer may have handed to ZeroMQ and not yet seen sent."""
-        return max(1, int(self.inflight_mb * MIB) // self.spec.batch_bytes)
+        return max(1, int(self.inflight_mb * MIB) // schema.batch_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +67,15 @@ class TrainerOptions:
     """The trainer's settings.
 
     Bytes held by the trainer are bounded by ``queue_mb`` (the FIFOQueue) plus
-    ``stage_depth + 2 + 4 * recv_threads`` batches (staged; the one a step trains on; the
-    proxy's; per receive thread two in its inproc pipe, whose high-water mark is the sum of
-    both ends', one in hand and TensorFlow's copy of it while the enqueue waits), plus two
-    messages per connected producer (one waiting at receive high-water mark 1, one being
-    decoded; three with CURVE, see ``common.curve``). ``max_message_mb`` caps each frame, not
-    a message: see docs/guarantees.md for what that means with untrusted peers.
+    ``stage_depth + 1`` batches (staged, and the one a step trains on), plus the credit pool,
+    ``recv_threads + 2`` batches (granted to producers and not yet enqueued: in ZeroMQ, in the
+    hand-off, in an enqueue thread's hands), plus ``recv_threads`` copies TensorFlow makes of
+    unaligned frames while an enqueue waits. A connection that ignores flow control can add
+    its receive high-water mark (2 messages); ``max_message_mb`` caps each message.
     """
 
     bind: str = "tcp://*:5555"
-    spec: BatchSpec = dataclasses.field(default_factory=BatchSpec)
+    schema: Schema = DEFAULT_SCHEMA
     recv_threads: int = 2
     steps: int = 100  # timed steps; 0 = until stopped
     warmup_steps: int = 2  # trained before the timed steps, not timed
@@ -88,6 +86,8 @@ class TrainerOptions:
     curve_keys: str | None = None
     wait_log_s: float = 10.0  # how often to say "waiting for data" while starved
     keep_freed_memory: bool = True  # see consumer/malloc_policy.py
+    credit_per_producer: int = 2  # batches one producer may have in flight towards us
+    producer_timeout_s: float = 10.0  # a connection silent this long is forgotten
 
     def __post_init__(self) -> None:
         check_endpoint("bind", self.bind)
@@ -106,23 +106,33 @@ class TrainerOptions:
             )
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.queue_mb * MIB < self.spec.batch_bytes:
+        if not isinstance(self.schema, Schema):
+            raise ConfigError(f"schema must be a Schema, got {type(self.schema).__name__}")
+        credit = self.credit_per_producer
+        if not isinstance(credit, int) or isinstance(credit, bool) or not 1 <= credit <= 64:
             raise ConfigError(
-                f"queue_mb={self.queue_mb} holds no batch of {self.spec.batch_bytes / MIB:.1f} MiB"
+                f"credit_per_producer must be an integer in [1, 64], "
+                f"got {self.credit_per_producer!r}"
             )
-        if self.max_message_mb and self.max_message_mb * MIB < self.spec.batch_bytes:
+        _positive("producer_timeout_s", self.producer_timeout_s)
+        if self.queue_mb * MIB < self.schema.batch_bytes:
+            raise ConfigError(
+                f"queue_mb={self.queue_mb} holds no batch of "
+                f"{self.schema.batch_bytes / MIB:.1f} MiB"
+            )
+        if self.max_message_mb and self.max_message_mb * MIB < self.schema.batch_bytes:
             raise ConfigError(
                 f"max_message_mb={self.max_message_mb} is smaller than one batch "
-                f"({self.spec.batch_bytes / MIB:.1f} MiB)"
+                f"({self.schema.batch_bytes / MIB:.1f} MiB)"
             )
 
     @property
     def queue_capacity(self) -> int:
         """FIFOQueue capacity in batches, derived from the byte budget."""
-        return max(1, int(self.queue_mb * MIB) // self.spec.batch_bytes)
+        return max(1, int(self.queue_mb * MIB) // self.schema.batch_bytes)
 
     @property
     def max_message_bytes(self) -> int:
         if self.max_message_mb:
             return int(self.max_message_mb * MIB)
-        return self.spec.batch_bytes + MIB
+        return self.schema.batch_bytes + MIB

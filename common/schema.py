@@ -209,6 +209,11 @@ class Schema:
         """Payload bytes of one batch (all arrays), headers excluded."""
         return sum(self.array_bytes(a) for a in self.arrays)
 
+    @property
+    def wire_dtype(self) -> str:
+        """The dtype of the array that takes most bytes on the wire (what advice talks about)."""
+        return max(self.arrays, key=self.array_bytes).dtype
+
     def describe(self) -> str:
         """One line: ``images uint8[256,227,227,3], labels int32[256] in [0,1000)``."""
         parts = []
@@ -253,6 +258,28 @@ class Schema:
 
     def with_batch_size(self, batch_size: int) -> Schema:
         return dataclasses.replace(self, batch_size=batch_size)
+
+
+def schema_difference(expected: Schema, actual: Schema) -> str:
+    """One line naming the first difference: what the trainer expects and what was declared."""
+    if expected.names != actual.names:
+        return f"arrays {list(actual.names)}, the trainer expects {list(expected.names)}"
+    for want, got in zip(expected.arrays, actual.arrays, strict=True):
+        if want != got or expected.batch_size != actual.batch_size:
+            return (
+                f"{want.name}: the trainer expects {_one(expected, want)}, "
+                f"the producer declared {_one(actual, got)}"
+            )
+    return "schemas differ"
+
+
+def _one(schema: Schema, spec: ArraySpec) -> str:
+    text = f"{spec.dtype}{list(schema.batch_shape(spec))}".replace(" ", "")
+    if spec.bounds is not None:
+        text += f" in [{spec.bounds[0]}, {spec.bounds[1]})"
+    if spec.cast is not None:
+        text += f" cast to {spec.cast}"
+    return text
 
 
 class SchemaMismatch(ConfigError):

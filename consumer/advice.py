@@ -79,8 +79,9 @@ def _starved(f: Figures, wire_mb_s: float) -> tuple[str, str]:
     need_mb_s = f.consume_per_s * f.batch_mb
     if f.received_mb_per_s >= WIRE_NEAR * wire_mb_s or need_mb_s > wire_mb_s:
         fix = (
-            "switch --dtype uint8 to move 4x fewer bytes"
-            if f.image_dtype == "float32"
+            "send the largest array as uint8 with a cast in the schema (--dtype uint8 for "
+            "images) to move 4x fewer bytes"
+            if f.wire_dtype == "float32"
             else "only fewer bytes per batch or a faster link will help"
         )
         return WIRE_BOUND, (

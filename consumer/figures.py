@@ -124,7 +124,7 @@ class Figures:
     last_step: int
     batch_size: int
     batch_mb: float
-    image_dtype: str
+    wire_dtype: str
     stall_pct: float
     ms_per_step: float
     compute_ms: float
@@ -161,7 +161,7 @@ def figures_between(
     b: Snapshot,
     batch_size: int,
     batch_bytes: int,
-    image_dtype: str,
+    wire_dtype: str,
     queue_capacity: int,
 ) -> Figures:
     """The window from snapshot ``a`` to the later snapshot ``b``."""
@@ -185,7 +185,7 @@ def figures_between(
         last_step=b.steps.last_step,
         batch_size=batch_size,
         batch_mb=batch_bytes / 2**20,
-        image_dtype=image_dtype,
+        wire_dtype=wire_dtype,
         stall_pct=100.0 * wait_s / busy if steps and busy > 0 else math.nan,
         ms_per_step=1000.0 * busy / steps if steps else math.nan,
         compute_ms=1000.0 * step_s / steps if steps else math.nan,

@@ -1,15 +1,23 @@
-"""The TensorFlow graph: FIFOQueue on the CPU -> StagingArea on the device -> AlexNet step."""
+"""Graph mode: FIFOQueue on the CPU -> StagingArea on the device -> the user's ``model_fn``."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.spec import BatchSpec
-from stagefeed.consumer import model
+from stagefeed.common.schema import Schema
+
+try:  # not public in TF 2 (tensorflow/community#178); present from 1.x to 2.21 at least
+    from tensorflow.python.ops.data_flow_ops import StagingArea
+except ImportError as exc:  # pragma: no cover - depends on the installed TensorFlow
+    raise ImportError(
+        f"graph mode needs TensorFlow's StagingArea, missing in TF {tf.__version__}; "
+        "use the tf.data path (stagefeed.Feed.dataset)"
+    ) from exc
 from tensorflow.python.ops.data_flow_ops import StagingArea
 
 log = logging.getLogger(__name__)
@@ -44,15 +52,15 @@ def session_config(device: str) -> v1.ConfigProto:
 class FeedGraph:
     """Placeholders and ops of the feeding path and train step, in their own ``tf.Graph``.
 
-    Queue components: images, labels, producer index (int32), sequence number (int64), so every
-    trained batch can be traced back to the message that carried it.
+    Queue components: the schema's arrays in wire order, then the connection index (int32)
+    and the sequence number (int64), so every trained batch traces back to its message.
     """
 
     graph: tf.Graph
     device: str
-    images_in: tf.Tensor
-    labels_in: tf.Tensor
-    producer_in: tf.Tensor
+    schema: Schema
+    inputs: dict[str, tf.Tensor]  # one placeholder per array
+    peer_in: tf.Tensor
     seq_in: tf.Tensor
     enqueue: tf.Operation
     close_queue: tf.Operation
@@ -61,51 +69,71 @@ class FeedGraph:
     staged_size: tf.Tensor
     step: tf.Operation  # train op grouped with the next put
     loss: tf.Tensor
-    trained_producer: tf.Tensor
+    trained_peer: tf.Tensor
     trained_seq: tf.Tensor
     capacity: int
 
+    def enqueuer(self, session: Any) -> Callable[[dict[str, Any], int, int], bool]:
+        """``enqueue(arrays, peer, seq)`` for the intake's threads: False once the queue closed."""
 
-# (staged images, staged labels, spec) -> (loss, op): what one step does with a staged batch.
-StepBuilder = Callable[[tf.Tensor, tf.Tensor, BatchSpec], tuple[tf.Tensor, tf.Operation]]
+        def enqueue(arrays: dict[str, Any], peer: int, seq: int) -> bool:
+            feed = {self.inputs[name]: arrays[name] for name in self.schema.names}
+            feed[self.peer_in] = peer
+            feed[self.seq_in] = seq
+            try:
+                session.run(self.enqueue, feed)
+            except (tf.errors.CancelledError, tf.errors.OutOfRangeError):
+                return False  # closed for shutdown: the batch stays "not enqueued"
+            return True
+
+        return enqueue
 
 
-def alexnet_step(
-    images: tf.Tensor, labels: tf.Tensor, spec: BatchSpec
-) -> tuple[tf.Tensor, tf.Operation]:
-    """The default step: the seed's AlexNet trained on the staged batch (uint8 cast on device)."""
-    return model.train_op(model.to_float_images(images), labels, spec.num_classes)
+# (staged arrays by name, cast and scaled as the schema says; schema) -> (loss, train op).
+ModelFn = Callable[[dict[str, tf.Tensor], Schema], tuple[tf.Tensor, tf.Operation]]
+
+
+def cast_on_device(staged: dict[str, tf.Tensor], schema: Schema) -> dict[str, tf.Tensor]:
+    """Apply each array's declared ``cast`` and ``scale`` (call under the training device)."""
+    out = {}
+    for spec in schema.arrays:
+        tensor = staged[spec.name]
+        if spec.cast is not None:
+            tensor = tf.cast(tensor, spec.cast)
+        if spec.scale is not None:
+            tensor = tensor * tf.constant(spec.scale, tensor.dtype)
+        out[spec.name] = tensor
+    return out
 
 
 def build(
-    spec: BatchSpec,
+    schema: Schema,
     queue_capacity: int,
     stage_depth: int,
     device: str,
-    step_builder: StepBuilder = alexnet_step,
+    model_fn: ModelFn,
 ) -> FeedGraph:
     """Build the feeding path and a step. ``device`` is ``/cpu:0`` or ``/gpu:0``.
 
-    ``step_builder`` replaces the train op (``bench ingest`` uses a trivial consumer).
+    ``model_fn`` builds the step on the staged tensors (``bench ingest`` uses a trivial one).
     """
-    model.check_image_size(spec.height, spec.width)
     graph = tf.Graph()
-    image_dtype = tf.as_dtype(spec.image_dtype)
-    dtypes = [image_dtype, tf.int32, tf.int32, tf.int64]
-    shapes = [spec.image_shape, spec.label_shape, [], []]
+    wire = [(spec.name, tf.as_dtype(spec.np_dtype), schema.batch_shape(spec))
+            for spec in schema.arrays]  # fmt: skip
+    dtypes = [dtype for _, dtype, _ in wire] + [tf.int32, tf.int64]
+    shapes = [shape for _, _, shape in wire] + [[], []]
     with graph.as_default():
         with tf.device("/cpu:0"):
-            images_in = v1.placeholder(image_dtype, spec.image_shape, name="images")
-            labels_in = v1.placeholder(tf.int32, spec.label_shape, name="labels")
-            producer_in = v1.placeholder(tf.int32, [], name="producer")
+            inputs = {name: v1.placeholder(dtype, shape, name=name) for name, dtype, shape in wire}
+            peer_in = v1.placeholder(tf.int32, [], name="peer")
             seq_in = v1.placeholder(tf.int64, [], name="seq")
-            queued_images = images_in
+            queued = [inputs[name] for name, _, _ in wire]
             if device.startswith("/gpu"):
-                # A received frame is fed as pageable memory; one copy on the receive thread
+                # A received frame is fed as pageable memory; one copy on the enqueue thread
                 # moves it into pinned memory (force_gpu_compatible), off the training path.
-                queued_images = tf.raw_ops.DeepCopy(x=images_in)
+                queued = [tf.raw_ops.DeepCopy(x=t) for t in queued]
             queue = tf.queue.FIFOQueue(queue_capacity, dtypes, shapes=shapes, name="batches")
-            enqueue = queue.enqueue([queued_images, labels_in, producer_in, seq_in])
+            enqueue = queue.enqueue([*queued, peer_in, seq_in])
             close_queue = queue.close(cancel_pending_enqueues=True)
             queue_size = queue.size()
             dequeued = queue.dequeue()
@@ -113,23 +141,24 @@ def build(
             staging = StagingArea(dtypes, shapes=shapes, capacity=stage_depth)
             put = staging.put(dequeued)
             staged_size = staging.size()
-            images, labels, producer, seq = staging.get()
-            loss, train = step_builder(images, labels, spec)
+            *arrays, peer, seq = staging.get()
+            staged = cast_on_device(dict(zip(schema.names, arrays, strict=True)), schema)
+            loss, train = model_fn(staged, schema)
             step = tf.group(train, put, name="step")
     log.info(
-        "graph on %s: FIFOQueue of %d batches (%.0f MiB), staging depth %d, %s images",
+        "graph on %s: FIFOQueue of %d batches (%.0f MiB), staging depth %d; %s",
         device,
         queue_capacity,
-        queue_capacity * spec.batch_bytes / 2**20,
+        queue_capacity * schema.batch_bytes / 2**20,
         stage_depth,
-        spec.image_dtype,
+        schema.describe(),
     )
     return FeedGraph(
         graph=graph,
         device=device,
-        images_in=images_in,
-        labels_in=labels_in,
-        producer_in=producer_in,
+        schema=schema,
+        inputs=inputs,
+        peer_in=peer_in,
         seq_in=seq_in,
         enqueue=enqueue,
         close_queue=close_queue,
@@ -138,7 +167,7 @@ def build(
         staged_size=staged_size,
         step=step,
         loss=loss,
-        trained_producer=producer,
+        trained_peer=peer,
         trained_seq=seq,
         capacity=queue_capacity,
     )

@@ -45,7 +45,7 @@ class StagefeedCollector:
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         options = self._trainer.options
-        spec = options.spec
+        spec = options.schema
         steps = snap.steps
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -57,12 +57,12 @@ class StagefeedCollector:
         info = GaugeMetricFamily(
             PREFIX + "info",
             "Constant 1; labels describe the trainer",
-            labels=["device", "image_dtype", "batch_size", "queue_capacity"],
+            labels=["device", "wire_dtype", "batch_size", "queue_capacity"],
         )
         info.add_metric(
             [
                 self._trainer.device,
-                spec.image_dtype,
+                spec.wire_dtype,
                 str(spec.batch_size),
                 str(options.queue_capacity),
             ],

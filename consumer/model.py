@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.schema import Schema
 
 v1 = tf.compat.v1
 
@@ -88,8 +89,25 @@ def train_op(
     return loss, step
 
 
-def to_float_images(images: tf.Tensor) -> tf.Tensor:
-    """uint8 -> float32 in [0, 1] (on whatever device the caller placed this); float32 as is."""
-    if images.dtype == tf.uint8:
-        return tf.cast(images, tf.float32) * (1.0 / 255.0)
-    return images
+def check_schema(schema: Schema) -> None:
+    """``ConfigError`` unless ``schema`` has what AlexNet trains on: NHWC ``images`` (float32,
+    or cast to it) at least 195x195, and int32 ``labels`` bounded by the class count.
+    """
+    try:
+        images, labels = schema["images"], schema["labels"]
+    except KeyError as exc:
+        raise ConfigError(f"the AlexNet model needs arrays images and labels, no {exc}") from None
+    if len(images.shape) != 3 or (images.cast or images.dtype) != "float32":
+        raise ConfigError(
+            f"AlexNet needs images [H, W, C] float32 (or uint8 cast to float32), "
+            f"got {images.dtype}{list(images.shape)}"
+        )
+    check_image_size(images.shape[0], images.shape[1])
+    if labels.shape != () or labels.dtype != "int32" or labels.bounds is None:
+        raise ConfigError("AlexNet needs int32 labels [B] with bounds [0, num_classes)")
+
+
+def model_fn(staged: dict[str, tf.Tensor], schema: Schema) -> tuple[tf.Tensor, tf.Operation]:
+    """The default graph-mode step: the seed's AlexNet on the staged (already cast) batch."""
+    check_schema(schema)
+    return train_op(staged["images"], staged["labels"], schema["labels"].bounds[1])

@@ -117,9 +117,9 @@ class Monitor:
     def figures(self, a: Snapshot, b: Snapshot) -> Figures:
         """The window from ``a`` to ``b``, with the producer capacity seen so far."""
         assert self._trainer is not None, "Monitor.start(trainer) first"
-        spec = self._trainer.options.spec
+        spec = self._trainer.options.schema
         f = figures_between(
-            a, b, spec.batch_size, spec.batch_bytes, spec.image_dtype, self._counters.queue_capacity
+            a, b, spec.batch_size, spec.batch_bytes, spec.wire_dtype, self._counters.queue_capacity
         )
         return dataclasses.replace(f, producer_capacity_per_s=self.capacity_per_s)
 

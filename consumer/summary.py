@@ -13,7 +13,7 @@ from stagefeed.consumer.trainer import Trainer
 
 def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, Any]:
     """Every figure of a run. Step statistics cover the timed steps (warm-up excluded)."""
-    options, spec = trainer.options, trainer.options.spec
+    options, spec = trainer.options, trainer.schema
     timed = [r for r in trainer.records if r.timed]
     step_ms = [(r.wait_s + r.step_s) * 1000 for r in timed]
     waited = sum(r.wait_s for r in timed)
@@ -21,17 +21,19 @@ def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, A
     window = (timed[-1].at - timed[0].at + timed[0].wait_s + timed[0].step_s) if timed else 0.0
     totals = trainer.ledger.totals()
     losses = [r.loss for r in trainer.records]
+    loss_first = trainer.loss_first if trainer.loss_first is not None else math.nan
     return {
         "device": trainer.device,
         "endpoint": trainer.endpoint,
         "batch_size": spec.batch_size,
-        "image_dtype": spec.image_dtype,
+        "schema": spec.describe(),
+        "wire_dtype": spec.wire_dtype,
         "batch_mb": round(spec.batch_bytes / 2**20, 3),
         "recv_threads": options.recv_threads,
         "queue_capacity": options.queue_capacity,
         "stage_depth": options.stage_depth,
-        "warmup_steps": sum(not r.timed for r in trainer.records),
-        "steps": len(timed),
+        "warmup_steps": min(trainer.steps_done, options.warmup_steps),
+        "steps": max(0, trainer.steps_done - options.warmup_steps),
         "interrupted": interrupted,
         "median_ms": _round(percentile(step_ms, 50)),
         "p10_ms": _round(percentile(step_ms, 10)),
@@ -39,9 +41,9 @@ def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, A
         "images_per_s": _round(len(timed) * spec.batch_size / window if window else math.nan),
         "received_mb_per_s": _round(totals["received_bytes"] / 2**20 / wall_s if wall_s else 0.0),
         "stall_pct": _round(100.0 * waited / busy if busy else math.nan),
-        "loss_first": _round(losses[0] if losses else math.nan, 4),
+        "loss_first": _round(loss_first, 4),
         "loss_last": _round(losses[-1] if losses else math.nan, 4),
-        "loss_finite": all(math.isfinite(x) for x in losses) if losses else False,
+        "loss_finite": trainer.loss_finite if losses else False,
         "wall_s": round(wall_s, 3),
         "batches": {
             "received": totals["received"],
@@ -73,8 +75,8 @@ def format_text(summary: dict[str, Any]) -> str:
     s, b = summary, summary["batches"]
     lines = [
         "stagefeed summary",
-        f"  device {s['device']}, batch {s['batch_size']} x {s['image_dtype']} "
-        f"({s['batch_mb']} MiB), {s['recv_threads']} receive threads, "
+        f"  device {s['device']}, batch {s['schema']} ({s['batch_mb']} MiB), "
+        f"{s['recv_threads']} enqueue threads, "
         f"queue {s['queue_capacity']} batches, staging depth {s['stage_depth']}",
         f"  steps {s['steps']} timed (+{s['warmup_steps']} warm-up)"
         + (" - interrupted" if s["interrupted"] else ""),

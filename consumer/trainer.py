@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -15,13 +16,16 @@ from stagefeed.common.errors import ClosedError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import graph as feed_graph
-from stagefeed.consumer import malloc_policy
-from stagefeed.consumer.receiver import Availability, ReceivePool
+from stagefeed.consumer import malloc_policy, model
+from stagefeed.consumer.intake import Intake
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1
 
 WAIT_SLICE_S = 0.1
+# Step records kept for the summary's percentiles: the most recent ones, so memory stays
+# bounded on runs that never end (``--steps 0``).
+MAX_RECORDS = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +46,12 @@ class StepObserver(Protocol):
 
 
 class Trainer:
-    """Owns the TF session, the receive pool and the books.
+    """Graph mode: owns the TF session, the intake and the books.
 
     Lifecycle: ``start()`` (build, bind, start threads) -> ``train(stop)`` -> ``close()``
     (idempotent; closes the queue so blocked enqueues return, joins threads, closes session).
+    ``session`` is the user's between ``start()`` and ``close()``: to restore or save
+    variables (``tf.compat.v1.train.Saver``), or to run their own loop.
     """
 
     def __init__(
@@ -53,21 +59,24 @@ class Trainer:
         options: TrainerOptions,
         observers: Sequence[StepObserver] = (),
         configure_server: Callable[[Any], None] | None = None,
-        step_builder: feed_graph.StepBuilder = feed_graph.alexnet_step,
+        model_fn: feed_graph.ModelFn = model.model_fn,
     ) -> None:
         self.options = options
-        self.step_builder = step_builder  # what a step does with the staged batch
+        self.schema = options.schema
+        self.model_fn = model_fn  # what a step does with the staged batch
         self.observers = list(observers)
         self.ledger = Ledger()
-        self.availability = Availability()
         self.consumed = 0  # dequeues issued: primed puts + steps
-        self.records: list[StepRecord] = []
+        self.steps_done = 0
+        self.loss_first: float | None = None
+        self.loss_finite = True
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_RECORDS)
         self.device = ""
         self.endpoint = ""
         self._configure_server = configure_server
-        self._feed: feed_graph.FeedGraph | None = None
-        self._session: Any = None
-        self._receiver: ReceivePool | None = None
+        self.feed: feed_graph.FeedGraph | None = None
+        self.session: Any = None
+        self._intake: Intake | None = None
         self._closed = False
 
     def start(self) -> Trainer:
@@ -75,33 +84,29 @@ class Trainer:
         if options.keep_freed_memory:
             malloc_policy.keep_freed_memory()
         self.device = feed_graph.pick_device(options.device)
-        self._feed = feed_graph.build(
-            options.spec,
-            options.queue_capacity,
-            options.stage_depth,
-            self.device,
-            self.step_builder,
+        self.feed = feed_graph.build(
+            self.schema, options.queue_capacity, options.stage_depth, self.device, self.model_fn
         )
-        self._session = v1.Session(
-            graph=self._feed.graph, config=feed_graph.session_config(self.device)
-        )
-        with self._feed.graph.as_default():
-            self._session.run(v1.global_variables_initializer())
-        self._receiver = ReceivePool(
+        config = feed_graph.session_config(self.device)
+        self.session = v1.Session(graph=self.feed.graph, config=config)
+        with self.feed.graph.as_default():
+            self.session.run(v1.global_variables_initializer())
+        self._intake = Intake(
             options,
-            self._feed,
-            self._session,
+            self.schema,
+            self.feed.enqueuer(self.session),
             self.ledger,
-            self.availability,
             self._configure_server,
         ).start()
-        self.endpoint = self._receiver.endpoint
+        self.endpoint = self._intake.endpoint
         return self
 
     @property
     def queue_batches(self) -> int:
         """Batches in the FIFOQueue (lower bound; no TF call)."""
-        return max(0, self.availability.enqueued - self.consumed)
+        if self._intake is None:
+            return 0
+        return max(0, self._intake.availability.enqueued - self.consumed)
 
     def train(
         self, stop: threading.Event, health_check: Callable[[], None] | None = None
@@ -110,12 +115,12 @@ class Trainer:
 
         Returns the step records; raises ``ClosedError`` only if stopped before priming ended.
         """
-        feed = self._feed
-        assert feed is not None and self._receiver is not None
-        checks = [self._receiver.check] + ([health_check] if health_check else [])
+        feed = self.feed
+        assert feed is not None and self._intake is not None
+        checks = [self._intake.check] + ([health_check] if health_check else [])
         for _ in range(self.options.stage_depth):
             self._wait_for_batch(stop, checks)
-            self._session.run(feed.put)
+            self.session.run(feed.put)
             self.consumed += 1
         log.info("staging area primed with %d batches", self.options.stage_depth)
         warmup, steps = self.options.warmup_steps, self.options.steps
@@ -128,27 +133,32 @@ class Trainer:
             except ClosedError:
                 break
             ready = time.monotonic()
-            loss, producer, seq, _ = self._session.run(
-                [feed.loss, feed.trained_producer, feed.trained_seq, feed.step]
+            loss, peer, seq, _ = self.session.run(
+                [feed.loss, feed.trained_peer, feed.trained_seq, feed.step]
             )
             done = time.monotonic()
             self.consumed += 1
             step += 1
-            self.ledger.trained([producer], [seq])
+            self.steps_done = step
+            self.ledger.trained([peer], [seq])
             record = StepRecord(
                 step, step > warmup, ready - started, done - ready, float(loss), queued, done
             )
             self.records.append(record)
+            if self.loss_first is None:
+                self.loss_first = record.loss
             if not math.isfinite(record.loss):
+                self.loss_finite = False
                 log.warning("step %d: loss is %s", step, record.loss)
             for observer in self.observers:
                 observer.on_step(record, self)
-        return self.records
+        return list(self.records)
 
     def _wait_for_batch(self, stop: threading.Event, checks: list[Callable[[], None]]) -> None:
         need = self.consumed + 1
         began = last_said = time.monotonic()
-        while not self.availability.wait_for(need, WAIT_SLICE_S):
+        assert self._intake is not None
+        while not self._intake.availability.wait_for(need, WAIT_SLICE_S):
             if stop.is_set():
                 raise ClosedError("stop requested while waiting for data")
             for check in checks:
@@ -168,15 +178,15 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
-        if self._session is not None and self._feed is not None:
+        if self.session is not None and self.feed is not None:
             try:
-                self._session.run(self._feed.close_queue)
+                self.session.run(self.feed.close_queue)
             except tf.errors.OpError as exc:
                 log.warning("closing the queue failed: %s", exc)
-        if self._receiver is not None:
-            self._receiver.close()
-        if self._session is not None:
-            self._session.close()
+        if self._intake is not None:
+            self._intake.close()
+        if self.session is not None:
+            self.session.close()
 
     def __enter__(self) -> Trainer:
         return self.start()

@@ -12,23 +12,58 @@ import os
 import sys
 from collections.abc import Sequence
 
-from stagefeed import envflags
+from stagefeed import __version__, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions, TrainerOptions
-from stagefeed.common.spec import IMAGE_DTYPES, BatchSpec
+from stagefeed.common.schema import Schema, image_schema, load_schema
 
 log = logging.getLogger("stagefeed")
 
 
-def add_spec_flags(p: argparse.ArgumentParser, batch_size: int) -> None:
-    g = p.add_argument_group("batch")
-    envflags.add(g, "--batch-size", type=int, default=batch_size, help="images per batch")
-    envflags.add(
-        g, "--dtype", default="float32", choices=IMAGE_DTYPES, help="image dtype on the wire"
+IMAGE_FLAGS = ("dtype", "image_size", "num_classes")
+
+
+def add_schema_flags(p: argparse.ArgumentParser, batch_size: int) -> None:
+    g = p.add_argument_group(
+        "batch",
+        "What a batch is: --schema FILE|module:NAME, or the seed's images/labels schema shaped "
+        "by --dtype, --image-size and --num-classes.",
     )
-    envflags.add(g, "--image-size", type=int, default=227, help="image height and width")
-    envflags.add(g, "--num-classes", type=int, default=1000, help="labels are in [0, N)")
+    envflags.add(g, "--schema", default=None, help="a .json/.toml schema file or module:NAME")
+    envflags.add(
+        g, "--batch-size", type=int, default=None, help=f"examples per batch ({batch_size})"
+    )
+    envflags.add(g, "--dtype", default=None, choices=("float32", "uint8"), help="image dtype")
+    envflags.add(g, "--image-size", type=int, default=None, help="image height and width (227)")
+    envflags.add(g, "--num-classes", type=int, default=None, help="labels are in [0, N) (1000)")
+    p.set_defaults(default_batch_size=batch_size)
+
+
+def schema_from(args: argparse.Namespace, required: bool = True) -> Schema | None:
+    """The schema the flags describe; None for a producer given none (it adopts the trainer's)."""
+    image_flags = [f for f in IMAGE_FLAGS if getattr(args, f) is not None]
+    if args.schema is not None:
+        if image_flags:
+            flag = "--" + image_flags[0].replace("_", "-")
+            raise ConfigError(f"{flag} shapes the default image schema; it cannot go with --schema")
+        schema = load_schema(args.schema)
+        return schema if args.batch_size is None else _resized(schema, args.batch_size)
+    if not required and not image_flags and args.batch_size is None:
+        return None
+    return image_schema(
+        batch_size=args.default_batch_size if args.batch_size is None else args.batch_size,
+        image_size=227 if args.image_size is None else args.image_size,
+        dtype=args.dtype or "float32",
+        num_classes=1000 if args.num_classes is None else args.num_classes,
+    )
+
+
+def _resized(schema: Schema, batch_size: int) -> Schema:
+    try:
+        return schema.with_batch_size(batch_size)
+    except ConfigError as exc:
+        raise ConfigError(f"--batch-size: {exc}") from None
 
 
 def add_producer_flags(p: argparse.ArgumentParser) -> None:
@@ -42,7 +77,7 @@ def add_producer_flags(p: argparse.ArgumentParser) -> None:
 
 def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g = p.add_argument_group("trainer")
-    envflags.add(g, "--recv-threads", type=int, default=2, help="receive threads")
+    envflags.add(g, "--recv-threads", type=int, default=2, help="enqueue threads")
     envflags.add(g, "--steps", type=int, default=steps, help="timed steps (0: until stopped)")
     envflags.add(g, "--warmup-steps", type=int, default=2, help="untimed steps before them")
     envflags.add(g, "--queue-mb", type=float, default=2048.0, help="FIFOQueue budget in MiB")
@@ -70,21 +105,11 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     envflags.add(p, "--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
-def spec_from(args: argparse.Namespace) -> BatchSpec:
-    return BatchSpec(
-        batch_size=args.batch_size,
-        height=args.image_size,
-        width=args.image_size,
-        image_dtype=args.dtype,
-        num_classes=args.num_classes,
-    )
-
-
 def producer_options(args: argparse.Namespace, connect: str, workers: int) -> ProducerOptions:
     return ProducerOptions(
         connect=connect,
         workers=workers,
-        spec=spec_from(args),
+        schema=schema_from(args, required=False),
         source=args.source,
         inflight_mb=args.inflight_mb,
         rate=args.rate,
@@ -97,7 +122,7 @@ def producer_options(args: argparse.Namespace, connect: str, workers: int) -> Pr
 def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
     return TrainerOptions(
         bind=bind,
-        spec=spec_from(args),
+        schema=schema_from(args),
         recv_threads=args.recv_threads,
         steps=args.steps,
         warmup_steps=args.warmup_steps,
@@ -115,19 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stagefeed",
         description="Feed a TensorFlow trainer from producer processes over ZeroMQ.",
     )
+    parser.add_argument("--version", action="version", version=f"stagefeed {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("produce", help="start producer processes that push batches to a trainer")
     envflags.add(p, "--connect", default="tcp://127.0.0.1:5555", help="the trainer's address")
     envflags.add(p, "--workers", type=int, default=1, help="producer processes")
-    add_spec_flags(p, batch_size=256)
+    add_schema_flags(p, batch_size=256)
     add_producer_flags(p)
     add_common_flags(p)
     p.set_defaults(func=_produce)
 
-    p = sub.add_parser("train", help="train AlexNet on batches received from producers")
+    p = sub.add_parser("train", help="train a model on batches received from producers")
     envflags.add(p, "--bind", default="tcp://*:5555", help="address to listen on")
-    add_spec_flags(p, batch_size=256)
+    add_schema_flags(p, batch_size=256)
     add_trainer_flags(p, steps=100)
     add_common_flags(p)
     p.set_defaults(func=_train)
@@ -135,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="trainer + N producers on loopback: the main job")
     envflags.add(p, "--producers", type=int, default=2, help="producer processes")
     envflags.add(p, "--transport", default="tcp", choices=("tcp", "ipc"), help="loopback transport")
-    add_spec_flags(p, batch_size=128)
+    add_schema_flags(p, batch_size=128)
     add_trainer_flags(p, steps=30)
     add_producer_flags(p)
     add_common_flags(p)
