@@ -187,3 +187,16 @@ def test_deeply_nested_header_cannot_stop_the_intake(intake):
     sock.send_multipart([msgpack.packb({"v": 2, "t": "batch", "seq": 0, "arrays": deep}), b"x"])
     assert _wait(lambda: intake.ledger.drops_by_reason().get("header_fields") == 1)
     intake.check()
+
+
+def test_data_ends_once_every_live_producer_said_end_and_all_was_handled(intake):
+    a, b = _peer(intake), _peer(intake)
+    _hello(a, name="a")
+    _hello(b, name="b")
+    a.send_multipart(protocol.encode_batch(0, GOOD))
+    a.send(protocol.encode_control("end", seq=1))
+    assert _wait(lambda: intake.ledger.summary()["a"]["ended_after"] == 1)
+    assert not intake.data_ended()  # b has not ended
+    b.send(protocol.encode_control("end", seq=0))
+    assert _wait(intake.data_ended)
+    assert intake.recorder.got == [(0, 0)]
