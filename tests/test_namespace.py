@@ -3,11 +3,13 @@ changes nothing; the public API is curated; producers never load TensorFlow."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
 
 import pytest
+
 import stagefeed
 from tests.conftest import REPO, cli_env
 
@@ -54,8 +56,13 @@ def test_a_users_own_common_package_first_on_the_path_changes_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_the_wheel_installs_one_top_level_name(tmp_path):
+    # Built from a copy: setuptools builds in the source tree, and a stale build/ there could
+    # leak into the wheel.
+    source = tmp_path / "src"
+    skip = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info")
+    shutil.copytree(REPO, source, ignore=skip)
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), REPO],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), source],
         capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
