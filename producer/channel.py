@@ -3,9 +3,9 @@
 ``TrainerChannel`` is the producer main loop's side; ``producer.link.Link`` is the thread that
 owns the socket, and ``producer.session.Session`` the conversation itself (hello/welcome on
 every connection, credit, pings, verdicts, bye). The two threads talk through the queues of
-``producer.handoff`` only, and every error of the thread is
-carried through the event queue and re-raised by the next call here (torchdata style), so
-no failure is lost or read from a shared attribute.
+``producer.handoff`` only. Every error of the thread travels in the event queue and is
+re-raised by the next call here that acts (torchdata style): no failure is lost, none is
+read from a shared attribute.
 
 Lifecycle: ``open(stop)`` starts the thread and waits for the first welcome (the agreed schema
 and ``max_unsent``); then ``send(arrays, seq, stop)`` any number of times; then either
