@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.schema import Schema, SchemaMismatch, excerpt
@@ -146,10 +147,11 @@ class Session:
                 f"sends {self.schema.describe()}"
             )
         agreed = self.schema or schema
-        if agreed.batch_bytes > header["max_message"]:
+        size = message_bytes(agreed)
+        if size > header["max_message"]:
             raise ConfigError(
                 f"trainer at {self.endpoint} accepts messages of at most {header['max_message']} "
-                f"B; one batch of {agreed.describe()} is {agreed.batch_bytes} B"
+                f"B; one batch of {agreed.describe()} is {size} B with its header"
             )
         self.welcomed = True
         self.credit = header["credit"]
@@ -222,6 +224,13 @@ class Session:
         if now - self._noticed.get(key, -NOTICE_EVERY_S) >= NOTICE_EVERY_S:
             self._noticed[key] = now
             log.warning("%s", message)
+
+
+def message_bytes(schema: Schema) -> int:
+    """Bytes of a ``batch`` message of ``schema``, header included (its largest seq's)."""
+    arrays = [[name, dtype.str, list(shape)] for name, dtype, shape in schema.wire()]
+    header = {"v": protocol.PROTOCOL_VERSION, "t": "batch", "seq": 2**63 - 1, "arrays": arrays}
+    return len(msgpack.packb(header)) + schema.batch_bytes
 
 
 def _one_line(text: str) -> str:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from stagefeed.common import protocol
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import MAX_UNSENT, MIB, ProducerOptions
 from stagefeed.common.schema import ArraySpec, Schema, image_schema
+from stagefeed.producer.session import message_bytes
 from stagefeed.producer.worker import worker_info
 
 
@@ -38,3 +41,10 @@ def test_worker_info_shards_and_seeds_per_worker():
     infos = [worker_info(options, i) for i in range(3)]
     assert [(w.index, w.count, w.seed) for w in infos] == [(0, 3, 10), (1, 3, 11), (2, 3, 12)]
     assert len({w.producer_id for w in infos}) == 3
+
+
+def test_message_bytes_counts_the_header_exactly():
+    schema = image_schema(4, 8)
+    arrays = [(n, np.zeros(s, d)) for n, d, s in schema.wire()]
+    frames = protocol.encode_batch(2**63 - 1, arrays)
+    assert message_bytes(schema) == sum(memoryview(f).nbytes for f in frames)
