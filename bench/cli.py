@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stagefeed.bench.config import STEP_MODES, TRANSPORTS, IngestConfig, StepsConfig
-from stagefeed.common.errors import ClosedError
+from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.spec import IMAGE_DTYPES, BatchSpec
 
 log = logging.getLogger("stagefeed.bench")
@@ -78,7 +78,12 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _steps(args: argparse.Namespace) -> int:
-    from stagefeed.bench.steps import run_steps
+    try:
+        from stagefeed.bench.steps import run_steps
+    except ImportError as exc:
+        if exc.name != "psutil":
+            raise
+        raise ConfigError(str(exc)) from exc  # bench.cpu's message: what to install
     from stagefeed.bench.table import steps_table
 
     config = StepsConfig(
