@@ -19,9 +19,10 @@ from typing import Any
 
 import tensorflow as tf
 from stagefeed.bench.config import IngestConfig
+from stagefeed.bench.liveness import pool_check
 from stagefeed.bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
 from stagefeed.bench.report import machine
-from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.errors import ClosedError
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.spec import BatchSpec
@@ -111,7 +112,7 @@ def measure_stagefeed(
             ),
             log_level,
         ).start()
-        trainer.train(clock.done, health_check=lambda: _check_pool(pool))
+        trainer.train(clock.done, health_check=pool_check(pool))
     finally:
         if pool is not None:
             pool.close()
@@ -135,12 +136,6 @@ def measure_stagefeed(
         "dropped": totals["dropped"],
         "device": trainer.device,
     }
-
-
-def _check_pool(pool: ProducerPool) -> None:
-    if not pool.alive():
-        pool.wait(0)  # raises BrokenError if one failed
-        raise BrokenError("all producers ended")
 
 
 def _compare(

@@ -19,6 +19,7 @@ from typing import Any
 
 from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
+from stagefeed.bench.liveness import pool_check
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import ProducerOptions, TrainerOptions
@@ -142,8 +143,9 @@ class StagefeedMode:
 
     def _train(self) -> None:
         assert self.trainer is not None
+        assert self.pool is not None
         try:
-            self.trainer.train(self._stop, health_check=self._check_pool)
+            self.trainer.train(self._stop, health_check=pool_check(self.pool))
         except ClosedError:
             pass  # stopped by close()
         except Exception as exc:  # noqa: BLE001 - handed to step(), never swallowed
@@ -151,12 +153,6 @@ class StagefeedMode:
             self._failure = exc
         finally:
             self._records.put(None)
-
-    def _check_pool(self) -> None:
-        assert self.pool is not None
-        if not self.pool.alive():
-            self.pool.wait(0)  # raises BrokenError if one failed
-            raise BrokenError("all producers ended")
 
     def _check(self) -> None:
         if self._failure is not None:
