@@ -9,6 +9,7 @@ import dataclasses
 import re
 
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.schema import Schema
 from stagefeed.common.spec import BatchSpec
 
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
@@ -33,13 +34,15 @@ def _positive(field: str, value: float, *, zero_ok: bool = False) -> None:
 class ProducerOptions:
     """One producer process's settings (``stagefeed produce`` starts ``workers`` of them).
 
-    ``inflight_mb`` bounds the bytes a producer holds: at most
-    ``max(1, inflight_mb // batch_mb)`` batches sit unsent in ZeroMQ, plus one being filled.
+    ``schema``: the batches this producer declares in its hello; ``None`` (no batch flags)
+    adopts the trainer's schema from its welcome. ``inflight_mb`` bounds the bytes a producer
+    holds: at most ``max_unsent(schema)`` batches handed to the channel and not yet released
+    by ZeroMQ, plus one being filled (the buffer pool of a filling source is one larger).
     """
 
     connect: str = "tcp://127.0.0.1:5555"
     workers: int = 1
-    spec: BatchSpec = dataclasses.field(default_factory=BatchSpec)
+    schema: Schema | None = None
     source: str = "synthetic"
     inflight_mb: float = 512.0
     rate: float = 0.0  # batches per second per worker; 0 = as fast as the trainer takes them
@@ -51,16 +54,17 @@ class ProducerOptions:
         check_endpoint("connect", self.connect)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
+        if self.schema is not None and not isinstance(self.schema, Schema):
+            raise ConfigError(f"schema must be a Schema or None, got {type(self.schema).__name__}")
         _positive("inflight_mb", self.inflight_mb)
         _positive("rate", self.rate, zero_ok=True)
         _positive("max_batches", self.max_batches, zero_ok=True)
         if self.source != "synthetic" and not re.fullmatch(r"[\w.]+:\w+", self.source):
             raise ConfigError(f"source must be 'synthetic' or module:function, got {self.source!r}")
 
-    @property
-    def max_unsent(self) -> int:
-        """Batches a producer may have handed to ZeroMQ and not yet seen sent."""
-        return max(1, int(self.inflight_mb * MIB) // self.spec.batch_bytes)
+    def max_unsent(self, schema: Schema) -> int:
+        """Batches of ``schema`` a producer may have handed over and not yet seen released."""
+        return max(1, int(self.inflight_mb * MIB) // schema.batch_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
