@@ -15,6 +15,7 @@ from stagefeed.common.spec import BatchSpec
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
 DEVICES = ("auto", "cpu", "gpu")
 MIB = 2**20
+MAX_UNSENT = 64  # batches a producer holds at most, however small: credit bounds sends anyway
 
 
 def check_endpoint(field: str, value: str) -> None:
@@ -36,8 +37,9 @@ class ProducerOptions:
 
     ``schema``: the batches this producer declares in its hello; ``None`` (no batch flags)
     adopts the trainer's schema from its welcome. ``inflight_mb`` bounds the bytes a producer
-    holds: at most ``max_unsent(schema)`` batches handed to the channel and not yet released
-    by ZeroMQ, plus one being filled (the buffer pool of a filling source is one larger).
+    holds: at most ``max_unsent(schema)`` batches (1 to ``MAX_UNSENT``) handed to the channel
+    and not yet released by ZeroMQ, plus one being filled (the buffer pool of a filling
+    source, and the synthetic source's pool, hold ``max_unsent + 1``).
     """
 
     connect: str = "tcp://127.0.0.1:5555"
@@ -64,7 +66,7 @@ class ProducerOptions:
 
     def max_unsent(self, schema: Schema) -> int:
         """Batches of ``schema`` a producer may have handed over and not yet seen released."""
-        return max(1, int(self.inflight_mb * MIB) // schema.batch_bytes)
+        return min(MAX_UNSENT, max(1, int(self.inflight_mb * MIB) // schema.batch_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
