@@ -416,8 +416,12 @@ class Link:
                 return
             out = self._outbox.popleft()
             self._credit -= 1
-            self._in_zmq.append(out)
             self._events.put(Sent(out.seq))
+            if out.trackers:
+                self._in_zmq.append(out)
+            else:  # every frame was copied: no buffer of ours is left in ZeroMQ
+                out.frames = []
+                self._events.put(Released(out.seq))
         if self._finish is not None and not self._outbox and not self._end_sent:
             if not self._send_control("end", seq=self._finish.count):
                 return
