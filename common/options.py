@@ -14,6 +14,7 @@ from stagefeed.common.schema import DEFAULT_SCHEMA, Schema
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
 DEVICES = ("auto", "cpu", "gpu")
 MIB = 2**20
+MAX_UNSENT = 64  # batches a producer holds at most, however small: credit bounds sends anyway
 
 
 def check_endpoint(field: str, value: str) -> None:
@@ -33,8 +34,11 @@ def _positive(field: str, value: float, *, zero_ok: bool = False) -> None:
 class ProducerOptions:
     """One producer process's settings (``stagefeed produce`` starts ``workers`` of them).
 
-    ``inflight_mb`` bounds the bytes a producer holds: at most
-    ``max(1, inflight_mb // batch_mb)`` batches sit unsent in ZeroMQ, plus one being filled.
+    ``schema``: the batches this producer declares in its hello; ``None`` (no batch flags)
+    adopts the trainer's schema from its welcome. ``inflight_mb`` bounds the bytes a producer
+    holds: at most ``max_unsent(schema)`` batches (1 to ``MAX_UNSENT``) handed to the channel
+    and not yet released by ZeroMQ, plus one being filled (the buffer pool of a filling
+    source, and the synthetic source's pool, hold ``max_unsent + 1``).
     """
 
     connect: str = "tcp://127.0.0.1:5555"
@@ -51,6 +55,8 @@ class ProducerOptions:
         check_endpoint("connect", self.connect)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
+        if self.schema is not None and not isinstance(self.schema, Schema):
+            raise ConfigError(f"schema must be a Schema or None, got {type(self.schema).__name__}")
         _positive("inflight_mb", self.inflight_mb)
         _positive("rate", self.rate, zero_ok=True)
         _positive("max_batches", self.max_batches, zero_ok=True)
@@ -58,8 +64,8 @@ class ProducerOptions:
             raise ConfigError(f"source must be 'synthetic' or module:function, got {self.source!r}")
 
     def max_unsent(self, schema: Schema) -> int:
-        """Batches a producer may have handed to ZeroMQ and not yet seen sent."""
-        return max(1, int(self.inflight_mb * MIB) // schema.batch_bytes)
+        """Batches of ``schema`` a producer may have handed over and not yet seen released."""
+        return min(MAX_UNSENT, max(1, int(self.inflight_mb * MIB) // schema.batch_bytes))
 
 
 @dataclasses.dataclass(frozen=True)

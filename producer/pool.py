@@ -8,7 +8,7 @@ import multiprocessing
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import stop_processes
 from stagefeed.common.options import ProducerOptions
-from stagefeed.producer.worker import worker_main
+from stagefeed.producer.worker import FailureReports, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class ProducerPool:
         self.options = options
         self._ctx = multiprocessing.get_context("spawn")
         self._stop = self._ctx.Event()
+        self._failures = FailureReports(self._ctx)
         self._log_level = log_level
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self._closed = False
@@ -34,7 +35,7 @@ class ProducerPool:
         for index in range(self.options.workers):
             proc = self._ctx.Process(
                 target=worker_main,
-                args=(self.options, index, self._stop, self._log_level),
+                args=(self.options, index, self._stop, self._log_level, self._failures),
                 name=f"stagefeed-producer-{index}",
                 daemon=True,
             )
@@ -61,6 +62,9 @@ class ProducerPool:
         stop_processes(self.processes, STOP_TIMEOUT_S)
 
     def _raise_failures(self) -> None:
+        reported = self._failures.first()  # a worker's own one-line ConfigError/BrokenError
+        if reported is not None:
+            raise reported
         failed = [
             f"{p.name} (exit {p.exitcode})"
             for p in self.processes

@@ -1,95 +1,219 @@
-"""Where batches come from: the built-in synthetic source or the user's own generator."""
+"""Where batches come from: the source contract, the built-in ``synthetic`` source, user sources.
+
+A source is a factory ``source(schema, worker)``, named on the command line as
+``--source mypkg.mod:fn`` (imported from the current directory, as ``python -m`` would). It
+gets the agreed ``Schema`` (declared by the producer's batch flags, or the trainer's) and a
+``WorkerInfo`` (``index`` / ``count`` to shard, ``seed`` to be reproducible), and returns one
+of two forms.
+
+(a) An iterable of ``{name: ndarray}`` dicts, each batch fresh arrays (ZeroMQ keeps a reference
+until it has sent them, so the source must not write into a batch it has yielded)::
+
+    def batches(schema, worker):
+        rng = np.random.default_rng(worker.seed)
+        for path in worker.shard(sorted(glob.glob("data/*.npz"))):
+            with np.load(path) as f:
+                yield {"features": f["x"], "token_ids": f["ids"], "targets": f["y"]}
+
+(b) A *filling* source: an object with ``fill(out) -> bool`` that writes one batch into the
+preallocated, 64-byte-aligned arrays of ``out`` (one per schema array, in wire order) and
+returns False at the end of the data. It must write into those arrays, never replace them.
+The producer hands ``fill`` a buffer only once ZeroMQ has released it, so writing is always
+safe; it saves the copy a fresh array costs (and is what shared memory will use)::
+
+    class Noise:
+        def __init__(self, schema, worker):
+            self.rng = np.random.default_rng(worker.seed)
+
+        def fill(self, out):
+            self.rng.random(out=out["features"])
+            out["targets"][:] = out["features"].sum(axis=1)
+            return True
+
+    def noise(schema, worker):
+        return Noise(schema, worker)
+
+Every batch is checked with ``common.schema.check_arrays`` before it is sent (names, dtypes,
+shapes, bounds): a mismatch is a ``SchemaMismatch`` naming the source, the batch, the array,
+what was expected and what came. A source that ends makes the producer finish cleanly.
+"""
 
 from __future__ import annotations
 
-import importlib
-import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
-from stagefeed.common.errors import ConfigError
-from stagefeed.common.spec import IMAGES, LABELS, BatchSpec
+from stagefeed.common.errors import BrokenError, ConfigError
+from stagefeed.common.schema import Schema, check_arrays, import_ref
+from stagefeed.producer.buffers import BufferPool
+from stagefeed.producer.synthetic import SyntheticSource
 
-log = logging.getLogger(__name__)
-
-Arrays = list[tuple[str, np.ndarray]]
-# A user source: ``factory(spec, worker_index)`` returning an iterable of {"images", "labels"}.
-SourceFactory = Callable[[BatchSpec, int], Iterable[Mapping[str, np.ndarray]]]
+T = TypeVar("T")
+SYNTHETIC = "synthetic"
 
 
-class SyntheticSource:
-    """Seed-shaped random batches from a pool of preallocated buffers, reused round-robin.
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """Which producer process a source runs in: worker ``index`` of ``count``.
 
-    The pool is filled once at start (the RNG costs ~96 ms for one 158 MB float32 batch), so a
-    producer's cost per batch is the transport, not the data. ``reuses_buffers`` tells the
-    sender that a buffer must not be handed out again until ZeroMQ has sent it: with
-    ``pool_size == max_unsent + 1`` the buffer about to be reused is always the sent one.
+    ``producer_id`` is unique per process run (host, pid, index, nonce); ``seed`` is
+    ``--seed + index``, so a run is reproducible and workers differ.
     """
 
-    reuses_buffers = True
+    index: int
+    count: int
+    producer_id: str
+    seed: int
 
-    def __init__(self, spec: BatchSpec, pool_size: int, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.pool: list[Arrays] = []
-        for _ in range(pool_size):
-            if spec.image_dtype == "uint8":
-                images = rng.integers(0, 256, size=spec.image_shape, dtype=np.uint8)
-            else:
-                images = rng.random(spec.image_shape, dtype=np.float32)
-            labels = rng.integers(0, spec.num_classes, size=spec.label_shape, dtype=np.int32)
-            self.pool.append([(IMAGES, images), (LABELS, labels)])
+    def __post_init__(self) -> None:
+        for name in ("index", "count", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"WorkerInfo.{name} must be an integer, got {value!r}")
+        if not 0 <= self.index < self.count:
+            raise ConfigError(f"WorkerInfo.index {self.index} is not in [0, {self.count})")
+        if not isinstance(self.producer_id, str) or not self.producer_id:
+            raise ConfigError("WorkerInfo.producer_id must be a non-empty string")
 
-    def __iter__(self) -> Iterator[Arrays]:
-        while True:
-            yield from self.pool
+    def shard(self, items: Sequence[T]) -> Sequence[T]:
+        """This worker's share of ``items``: every ``count``-th one, starting at ``index``."""
+        return items[self.index :: self.count]
 
 
-class UserSource:
-    """Wraps ``module:function`` and checks every batch against the spec before it is sent."""
+class FillingSource(Protocol):
+    def fill(self, out: dict[str, np.ndarray]) -> bool: ...
 
-    reuses_buffers = False  # user arrays are fresh objects; ZeroMQ keeps them alive
 
-    def __init__(self, ref: str, spec: BatchSpec, worker_index: int) -> None:
-        self.ref = ref
-        self.spec = spec
-        module_name, _, attr = ref.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"source {ref!r} cannot be loaded: {exc}") from exc
-        if not callable(factory):
-            raise ConfigError(f"source {ref!r} is not callable")
-        self._iterable = factory(spec, worker_index)
+SourceFactory = Callable[[Schema, WorkerInfo], Iterable[Mapping[str, Any]] | FillingSource]
+Release = Callable[[], None]
 
-    def __iter__(self) -> Iterator[Arrays]:
-        for n, batch in enumerate(self._iterable):
-            yield self._check(n, batch)
 
-    def _check(self, n: int, batch: Mapping[str, np.ndarray]) -> Arrays:
-        if not isinstance(batch, Mapping) or set(batch) != {IMAGES, LABELS}:
-            keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
-            raise ConfigError(
-                f"source {self.ref!r} batch {n}: expected keys images, labels, got {keys}"
-            )
-        out: Arrays = []
-        for name, dtype, shape in self.spec.arrays():
-            array = np.ascontiguousarray(batch[name])
-            if array.dtype != dtype or array.shape != shape:
-                raise ConfigError(
-                    f"source {self.ref!r} batch {n}: {name} is {array.dtype}{list(array.shape)}, "
-                    f"expected {dtype}{list(shape)}"
-                )
-            out.append((name, array))
-        labels = out[1][1]
-        if labels.min() < 0 or labels.max() >= self.spec.num_classes:
-            raise ConfigError(
-                f"source {self.ref!r} batch {n}: labels outside [0, {self.spec.num_classes})"
-            )
+def resolve_source(ref: str) -> SourceFactory | None:
+    """The factory ``--source ref`` names (``None`` for ``synthetic``); ``ConfigError`` if it
+    cannot be imported or is not callable. Cheap: call it before connecting, to fail early.
+    """
+    if ref == SYNTHETIC:
+        return None
+    factory = import_ref(ref, "--source")
+    if not callable(factory):
+        raise ConfigError(f"--source {ref!r} is a {type(factory).__name__}, not a function")
+    return factory
+
+
+class Feed:
+    """Checked batches from one source, in sending order. Used from one thread.
+
+    ``next()`` returns ``(arrays, release)`` or ``None`` at the end of the data. ``arrays`` is
+    a dict of C-contiguous arrays exactly matching the schema. ``release`` is ``None`` when the
+    arrays need no tracking (fresh arrays, or the synthetic pool that is never rewritten);
+    otherwise it must be called once ZeroMQ has released every frame of the batch, and it is
+    what lets the buffer be filled again.
+    """
+
+    def __init__(self, name: str, schema: Schema) -> None:
+        self.name = name
+        self.schema = schema
+        self.count = 0
+
+    def next(self) -> tuple[dict[str, np.ndarray], Release | None] | None:
+        raise NotImplementedError
+
+    def _check(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        check_arrays(self.schema, arrays, f"source {self.name!r} batch {self.count}")
+        out = {name: np.ascontiguousarray(arrays[name]) for name in self.schema.names}
+        self.count += 1
         return out
 
+    def _user_failed(self, exc: Exception) -> BrokenError:
+        return BrokenError(
+            f"source {self.name!r} failed at batch {self.count}: {type(exc).__name__}: {exc}"
+        )
 
-def open_source(ref: str, spec: BatchSpec, worker_index: int, pool_size: int, seed: int):
-    """The source named by ``--source``: ``synthetic`` or ``module:function``."""
-    if ref == "synthetic":
-        return SyntheticSource(spec, pool_size, seed)
-    return UserSource(ref, spec, worker_index)
+
+class IterableFeed(Feed):
+    """Form (a): batches from an iterable of dicts (fresh arrays, or a never-rewritten pool)."""
+
+    def __init__(self, name: str, schema: Schema, iterable: Iterable[Mapping[str, Any]]) -> None:
+        super().__init__(name, schema)
+        try:
+            self._iterator: Iterator[Mapping[str, Any]] = iter(iterable)
+        except TypeError:
+            raise ConfigError(
+                f"source {name!r} returned a {type(iterable).__name__}: neither an iterable of "
+                "dicts nor an object with fill(out)"
+            ) from None
+
+    def next(self) -> tuple[dict[str, np.ndarray], None] | None:
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            return None
+        except (ConfigError, BrokenError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - user code may raise anything; carried as one line
+            raise self._user_failed(exc) from exc
+        return self._check(batch), None
+
+
+class FillingFeed(Feed):
+    """Form (b): ``fill(out)`` writes into a ``BufferPool`` slot that ZeroMQ has released."""
+
+    def __init__(self, name: str, schema: Schema, source: FillingSource, pool_size: int) -> None:
+        super().__init__(name, schema)
+        self._source = source
+        self.pool = BufferPool(schema, pool_size)
+
+    def next(self) -> tuple[dict[str, np.ndarray], Release] | None:
+        slot = self.pool.take()
+        buffers = self.pool.slots[slot]
+        out = dict(buffers)
+        try:
+            more = self._source.fill(out)
+        except (ConfigError, BrokenError):
+            self.pool.give_back(slot)
+            raise
+        except Exception as exc:  # noqa: BLE001 - user code may raise anything; carried as one line
+            self.pool.give_back(slot)
+            raise self._user_failed(exc) from exc
+        if not more:
+            self.pool.give_back(slot)
+            return None
+        replaced = [name for name in buffers if out.get(name) is not buffers[name]]
+        if replaced:
+            self.pool.give_back(slot)
+            raise ConfigError(
+                f"source {self.name!r} batch {self.count}: fill() replaced {', '.join(replaced)} "
+                "instead of writing into the given arrays (out[name][...] = values)"
+            )
+        return self._check(out), lambda: self.pool.give_back(slot)
+
+
+def open_feed(
+    ref: str,
+    schema: Schema,
+    worker: WorkerInfo,
+    pool_size: int,
+    factory: SourceFactory | None = None,
+) -> Feed:
+    """The ``Feed`` of ``--source ref`` for ``worker``. ``pool_size`` (``max_unsent + 1``) is
+    the number of batches the synthetic pool and a filling source's buffer pool hold.
+    ``factory``: the result of ``resolve_source(ref)``, if the caller already has it.
+    """
+    if ref == SYNTHETIC:
+        return IterableFeed(ref, schema, SyntheticSource(schema, pool_size, worker.seed))
+    if factory is None:
+        factory = resolve_source(ref)
+    try:
+        made = factory(schema, worker)
+    except (ConfigError, BrokenError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code may raise anything; carried as one line
+        raise BrokenError(
+            f"source {ref!r} failed to start: {type(exc).__name__}: {exc}"
+        ) from exc
+    fill = getattr(made, "fill", None)
+    if callable(fill):
+        return FillingFeed(ref, schema, made, pool_size)
+    return IterableFeed(ref, schema, made)

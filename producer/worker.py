@@ -1,4 +1,16 @@
-"""One producer process: read batches from a source and push them to the trainer."""
+"""One producer process: read batches from a source and send them to the trainer (protocol v2).
+
+``produce(options, worker, stop)`` is the whole job and can run in any process (tests call
+it in a thread); ``worker_main`` is the entry point ``ProducerPool`` spawns around it: logging,
+signals, orphan protection, exit codes, and the one-line failure it reports to the pool.
+
+Flow: resolve the source (a bad ``--source`` fails before connecting), connect, hello,
+welcome (which gives the schema when the producer declared none), open the source with that
+schema, then send each batch after ``check_arrays`` (the first batch's mismatch is a
+``SchemaMismatch`` naming source, array, expected and actual). The end of the data or
+``max_batches`` is a clean finish: what is held is sent against credit, then ``end``, then
+ZeroMQ delivers for up to ``FLUSH_TIMEOUT_S``. A stop discards what is held.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +23,16 @@ import threading
 import time
 from typing import Any
 
-import zmq
-from stagefeed.common import protocol
-from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, StagefeedError
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions
-from stagefeed.producer.sender import BatchSender
-from stagefeed.producer.sources import open_source
+from stagefeed.producer.channel import TrainerChannel
+from stagefeed.producer.sources import WorkerInfo, open_feed, resolve_source
 
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 30.0
+MAX_REPORT_CHARS = 2000
 _flushing = threading.Event()
 
 
@@ -29,6 +40,11 @@ def producer_id(index: int) -> str:
     """Unique per process run: host, pid, worker index and a nonce (no reuse after restart)."""
     host = "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:32]
     return f"{host}-{os.getpid()}-{index}-{secrets.token_hex(2)}"
+
+
+def worker_info(options: ProducerOptions, index: int) -> WorkerInfo:
+    """What worker ``index`` of ``options.workers`` tells its source (seed: ``seed + index``)."""
+    return WorkerInfo(index, options.workers, producer_id(index), options.seed + index)
 
 
 class _ParentWatch:
@@ -42,8 +58,44 @@ class _ParentWatch:
         return self._stop.is_set() or os.getppid() != self._parent
 
 
-def worker_main(options: ProducerOptions, index: int, stop: Any, log_level: int) -> None:
-    """Entry point of a spawned producer process; exits 0 on a clean stop."""
+class FailureReports:
+    """Workers' fatal errors, one line each, carried to the pool on a spawn-context queue.
+
+    Only our own processes write to it, and only ``(index, exit code, message text)``: the
+    text was written by us (it may quote the trainer's detail, never pickled network data).
+    The pool side (``first()``) keeps the first report: that is the one ``stagefeed produce``
+    prints as ``stagefeed: error: ...`` and whose exit code (2 or 3) it returns.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self._queue = ctx.SimpleQueue()
+        self._first: StagefeedError | None = None
+
+    def report(self, index: int, error: StagefeedError) -> None:
+        """Worker side: send ``error``'s code and message."""
+        code = 2 if isinstance(error, ConfigError) else 3
+        self._queue.put((index, code, str(error)[:MAX_REPORT_CHARS]))
+
+    def first(self) -> StagefeedError | None:
+        """Pool side: the first failure reported, as the ``ConfigError``/``BrokenError``."""
+        while self._first is None and not self._queue.empty():
+            _index, code, text = self._queue.get()
+            self._first = ConfigError(text) if code == 2 else BrokenError(text)
+        return self._first
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_queue": self._queue, "_first": None}
+
+
+def worker_main(
+    options: ProducerOptions,
+    index: int,
+    stop: Any,
+    log_level: int,
+    failures: FailureReports | None = None,
+) -> None:
+    """Entry point of a spawned producer process: exit 0 on a clean finish or stop, 2 on a
+    ``ConfigError``, 3 on a ``BrokenError``, each reported to ``failures`` in one line."""
     setup_logging(log_level)
 
     def on_signal(*_: object) -> None:
@@ -57,85 +109,130 @@ def worker_main(options: ProducerOptions, index: int, stop: Any, log_level: int)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        sent = produce(options, index, _ParentWatch(stop))
+        produce(options, worker_info(options, index), _ParentWatch(stop))
     except ClosedError:
         return
-    except BrokenError as exc:
-        log.error("producer %d: %s", index, exc)
-        raise SystemExit(3) from None
-    log.debug("producer %d finished after %d batches", index, sent)
+    except (ConfigError, BrokenError) as exc:
+        log.debug("producer %d failed: %s", index, exc)
+        if failures is not None:
+            failures.report(index, exc)
+        raise SystemExit(2 if isinstance(exc, ConfigError) else 3) from None
 
 
-def produce(options: ProducerOptions, index: int, stop: Any) -> int:
-    """Send batches until ``max_batches``, the source ends, or ``stop``; return the count sent."""
-    pid = producer_id(index)
-    source = open_source(
-        options.source, options.spec, index, options.max_unsent + 1, options.seed + index
-    )
-    ctx = zmq.Context(io_threads=1)
+def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
+    """Send batches until ``max_batches``, the source's end, or ``stop``; return the count.
+
+    Raises ``ClosedError`` on stop, ``ConfigError`` (``SchemaMismatch``) when the trainer or
+    the source disagree with the schema, ``BrokenError`` when the trainer refuses the
+    handshake or the source fails.
+    """
+    factory = resolve_source(options.source)
     configure = None
     if options.curve_keys:
         from stagefeed.common.curve import client_configurator
 
         configure = client_configurator(options.curve_keys)
-    sender = BatchSender(
-        ctx,
+    channel = TrainerChannel(
         options.connect,
-        options.max_unsent,
-        stop,
+        worker.producer_id,
+        options.schema,
+        max_unsent=options.max_unsent,
         configure=configure,
     )
+    name = worker.producer_id
     seq = 0
     finished = False
-    interval = 1.0 / options.rate if options.rate else 0.0
-    next_at = time.monotonic()
-    log.info(
-        "producer %s -> %s: %s %s batches of %.1f MiB, at most %d unsent",
-        pid,
-        options.connect,
-        options.spec.image_dtype,
-        options.spec.image_shape,
-        options.spec.batch_bytes / 2**20,
-        options.max_unsent,
-    )
     try:
-        for arrays in source:
+        welcome = channel.open(stop)
+        schema = welcome.schema
+        feed = open_feed(options.source, schema, worker, welcome.max_unsent + 1, factory)
+        log.info(
+            "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s",
+            name,
+            options.connect,
+            schema.describe(),
+            schema.batch_bytes / 2**20,
+            welcome.max_unsent,
+            options.source,
+        )
+        interval = 1.0 / options.rate if options.rate else 0.0
+        next_at = time.monotonic()
+        while not options.max_batches or seq < options.max_batches:
             if stop.is_set():
                 raise ClosedError("stop requested")
             if interval:
-                delay = next_at - time.monotonic()
-                while delay > 0 and not stop.is_set():
-                    time.sleep(min(delay, 0.1))
-                    delay = next_at - time.monotonic()
-                next_at = max(next_at + interval, time.monotonic() - interval)
-            sender.send(protocol.encode(pid, seq, arrays))
-            seq += 1
-            if options.max_batches and seq >= options.max_batches:
+                next_at = _pace(next_at, interval, stop)
+            item = feed.next()
+            if item is None:
                 break
+            arrays, release = item
+            channel.send(arrays, seq, stop, on_release=release)
+            seq += 1
+        _finish(channel, name, seq, stop)
         finished = True
     finally:
-        held = sender.unsent()
-        if finished:
+        if not finished and channel.welcome is not None:
             log.info(
-                "producer %s finished: %d batches (seq 0..%d); delivering the last %d "
-                "(up to %.0f s)",
-                pid,
+                "producer %s stopped: %d batches handed over (%s); %s; %d not yet delivered "
+                "discarded (%d waiting for credit, %d held by ZeroMQ)",
+                name,
                 seq,
-                seq - 1,
-                held,
-                FLUSH_TIMEOUT_S,
+                _seq_range(seq),
+                _refused_text(channel),
+                channel.held(),
+                channel.waiting(),
+                channel.in_zeromq(),
             )
-            _flushing.set()
-            sender.close(flush_s=FLUSH_TIMEOUT_S)
-        else:
-            log.info(
-                "producer %s stopped: %d batches handed to ZeroMQ (seq 0..%d); %d still held "
-                "by ZeroMQ discarded",
-                pid,
-                seq,
-                seq - 1,
-                held,
-            )
-            sender.close()
-        ctx.term()  # waits for the linger of a finished producer
+        channel.close()
     return seq
+
+
+def _finish(channel: TrainerChannel, name: str, count: int, stop: Any) -> None:
+    started = time.monotonic()
+    drained = channel.finish(count, stop, FLUSH_TIMEOUT_S)
+    linger_s = max(0.0, FLUSH_TIMEOUT_S - (time.monotonic() - started))
+    log.info(
+        "producer %s finished: %d batches (%s); %s; delivering the last %d (up to %.0f s)",
+        name,
+        count,
+        _seq_range(count),
+        _refused_text(channel),
+        channel.in_zeromq(),
+        FLUSH_TIMEOUT_S,
+    )
+    if drained.unsent:
+        log.warning(
+            "producer %s: the last %d batches were never sent (no credit from the trainer at "
+            "%s within %.0f s); end not sent",
+            name,
+            drained.unsent,
+            channel.endpoint,
+            FLUSH_TIMEOUT_S,
+        )
+    _flushing.set()
+    try:
+        channel.close(linger_s)
+    finally:
+        _flushing.clear()
+
+
+def _pace(next_at: float, interval: float, stop: Any) -> float:
+    delay = next_at - time.monotonic()
+    while delay > 0 and not stop.is_set():
+        time.sleep(min(delay, 0.1))
+        delay = next_at - time.monotonic()
+    return max(next_at + interval, time.monotonic() - interval)
+
+
+def _seq_range(count: int) -> str:
+    return f"seq 0..{count - 1}" if count else "none"
+
+
+def _refused_text(channel: TrainerChannel) -> str:
+    """``trainer refused 3 (value_range: 2, spec_mismatch: 1)``, the biggest reason first."""
+    counts = channel.refused()
+    total = sum(counts.values())
+    if not total:
+        return "trainer refused 0"
+    parts = ", ".join(f"{r}: {n}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"trainer refused {total} ({parts})"

@@ -1,0 +1,277 @@
+"""A producer's channel to the trainer: one DEALER socket in its own thread, protocol v2.
+
+``TrainerChannel`` is the producer main loop's side; ``producer.link.Link`` is the thread that
+owns the socket (see there for the conversation itself: hello/welcome on every connection,
+credit, pings, verdicts). The two talk through queues only, and every error of the thread is
+carried through the event queue and re-raised by the next call here (torchdata style), so
+no failure is lost or read from a shared attribute.
+
+Lifecycle: ``open(stop)`` starts the thread and waits for the first welcome (the agreed schema
+and ``max_unsent``); then ``send(arrays, seq, stop)`` any number of times; then either
+``finish(count, stop, timeout_s)`` (send what is left against credit, then ``end``) followed by
+``close(linger_s)`` to let ZeroMQ deliver, or ``close()`` alone to discard. ``close`` is
+idempotent. Every method runs in the owner's thread, and only there.
+
+Invariants:
+
+- held: ``held() == waiting() + in_zeromq() <= max_unsent``. A batch is held from ``send``
+  until every zero-copy frame's tracker is done (ZeroMQ wrote it to the kernel and let go of
+  the buffer). ``send`` blocks while ``max_unsent`` are held, so the channel never holds more
+  and a producer's memory is bounded by ``max_unsent`` batches plus the one being made.
+- release: ``on_release`` of a batch runs exactly once, in the owner's thread, during a later
+  call to this object, and only once ZeroMQ has released the batch's buffers (or has dropped
+  them with a lost connection). Buffer reuse is safe because of this.
+- waiting: a method that waits (``open``, ``send``, ``finish``) wakes every ``POLL_S`` and
+  raises ``ClosedError`` as soon as ``stop.is_set()``; none ever blocks inside a socket call.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import zmq
+from stagefeed.common import protocol
+from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, ProtocolError
+from stagefeed.common.lifecycle import join_threads
+from stagefeed.common.schema import Schema
+from stagefeed.producer.link import (
+    Drained,
+    Dropped,
+    Failed,
+    Finish,
+    Link,
+    Outgoing,
+    Released,
+    Sent,
+    Shutdown,
+    Welcome,
+    Welcomed,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+JOIN_TIMEOUT_S = 5.0
+THREAD_NAME = "stagefeed-channel"
+
+__all__ = ["Drained", "TrainerChannel", "Welcome"]
+
+
+class TrainerChannel:
+    """The producer's connection to the trainer at ``endpoint`` (see the module docstring).
+
+    ``name`` goes in every hello (``protocol.check_producer_name``). ``schema``: the declared
+    batches, or ``None`` to adopt the trainer's. ``max_unsent``: batches the channel may hold,
+    or a function of the agreed schema giving it. ``configure(socket)`` runs before connect
+    (``common.curve.client_configurator``).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        name: str,
+        schema: Schema | None = None,
+        *,
+        max_unsent: int | Callable[[Schema], int],
+        configure: Callable[[zmq.Socket], None] | None = None,
+    ) -> None:
+        try:
+            protocol.check_producer_name(name)
+        except ProtocolError as exc:
+            raise ConfigError(f"producer name: {exc.detail}") from None
+        self.endpoint = endpoint
+        self.name = name
+        budget = max_unsent if callable(max_unsent) else (lambda _schema: int(max_unsent))
+        self._ctx = zmq.Context(io_threads=1)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        link = Link(
+            self._ctx,
+            endpoint,
+            name,
+            schema,
+            budget,
+            configure,
+            self._commands,
+            self._wake_read,
+            self._events,
+        )
+        self._thread = threading.Thread(target=link.run, name=THREAD_NAME, daemon=True)
+        self.welcome: Welcome | None = None
+        self._accepted = 0
+        self._sent = 0
+        self._released = 0
+        self._on_release: dict[int, Callable[[], None] | None] = {}
+        self._refused: collections.Counter[str] = collections.Counter()
+        self._drained: Drained | None = None
+        self._failure: BaseException | None = None
+        self._started = False
+        self._closed = False
+
+    # -- the owner's calls ---------------------------------------------------------------------
+
+    def open(self, stop: Any) -> Welcome:
+        """Connect and wait for the first welcome; ``SchemaMismatch`` / ``ConfigError`` if the
+        trainer refuses this producer, ``BrokenError`` if it refuses the handshake."""
+        if self._closed:
+            raise ClosedError("channel closed")
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        while self.welcome is None:
+            self._wait(stop)
+        return self.welcome
+
+    def send(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        seq: int,
+        stop: Any,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        """Hand over batch ``seq``, waiting while ``max_unsent`` batches are held.
+
+        ``arrays`` must hold C-contiguous arrays of every schema array and stay unmodified
+        until ``on_release`` runs (or, without one, must not be written again at all).
+        """
+        welcome = self._require_open()
+        if seq in self._on_release:
+            raise ValueError(f"batch seq {seq} is already held")
+        frames = protocol.encode_batch(seq, [(name, arrays[name]) for name in welcome.schema.names])
+        self._drain()
+        while self._accepted - self._released >= welcome.max_unsent:
+            self._wait(stop)
+        self._on_release[seq] = on_release
+        self._accepted += 1
+        self._command(Outgoing(seq, frames))
+
+    # The four counts below never raise: a failure they see waits for the next call that
+    # acts (``send``, ``finish``), so they are safe in log lines and ``finally`` blocks.
+
+    def held(self) -> int:
+        """Batches handed over and not yet released by ZeroMQ (waiting for credit included)."""
+        self._drain(reraise=False)
+        return self._accepted - self._released
+
+    def waiting(self) -> int:
+        """Batches handed over that the channel has not yet given to ZeroMQ (no credit yet)."""
+        self._drain(reraise=False)
+        return self._accepted - self._sent
+
+    def in_zeromq(self) -> int:
+        """Batches given to ZeroMQ whose buffers it still holds."""
+        self._drain(reraise=False)
+        return self._sent - self._released
+
+    def refused(self) -> dict[str, int]:
+        """Batches the trainer dropped so far, by reason (its ``dropped`` verdicts)."""
+        self._drain(reraise=False)
+        return dict(self._refused)
+
+    def finish(self, count: int, stop: Any, timeout_s: float) -> Drained:
+        """Send what is held against credit, then ``end {seq: count}``, for up to ``timeout_s``.
+
+        Returns how many batches could not be sent (``end`` goes only if none is left).
+        Afterwards ``close(linger_s)`` lets ZeroMQ deliver what it holds.
+        """
+        self._require_open()
+        self._command(Finish(count, time.monotonic() + timeout_s))
+        while self._drained is None:
+            self._wait(stop)
+        return self._drained
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop the thread; ``linger_s`` > 0 lets ZeroMQ deliver for up to that long (this
+        call then blocks in ``Context.term``), 0 discards. Idempotent; never raises the
+        channel's failure (the calls before it did)."""
+        if self._closed:
+            return
+        self._closed = True
+        stuck: list[str] = []
+        if self._thread.is_alive():
+            self._command(Shutdown(max(0, int(linger_s * 1000))))
+            stuck = join_threads([self._thread], JOIN_TIMEOUT_S)
+        self._drain(reraise=False)
+        if not stuck:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._ctx.term()  # returns once the socket's linger is over
+
+    def __enter__(self) -> TrainerChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _require_open(self) -> Welcome:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise ClosedError("channel closed")
+        if self.welcome is None:
+            raise RuntimeError("TrainerChannel.open() must succeed before sending")
+        return self.welcome
+
+    def _command(self, command: object) -> None:
+        self._commands.put(command)
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already: the thread will look
+
+    def _wait(self, stop: Any) -> None:
+        """Handle the next event, or return after ``POLL_S``; raise on failure or stop."""
+        if self._failure is not None:
+            raise self._failure
+        if stop.is_set():
+            raise ClosedError("stop requested")
+        try:
+            event = self._events.get(timeout=POLL_S)
+        except queue.Empty:
+            if not self._thread.is_alive() and self._events.empty():
+                raise BrokenError(f"the channel to {self.endpoint} ended unexpectedly") from None
+            return
+        self._handle(event)
+        self._drain()
+
+    def _drain(self, reraise: bool = True) -> None:
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(event, reraise=reraise)
+        if reraise and self._failure is not None:
+            raise self._failure
+
+    def _handle(self, event: object, reraise: bool = True) -> None:
+        if isinstance(event, Released):
+            self._released += 1
+            callback = self._on_release.pop(event.seq, None)
+            if callback is not None:
+                callback()
+        elif isinstance(event, Sent):
+            self._sent += 1
+        elif isinstance(event, Dropped):
+            self._refused[event.reason] += 1
+        elif isinstance(event, Welcomed):
+            self.welcome = event.welcome
+        elif isinstance(event, Drained):
+            self._drained = event
+        elif isinstance(event, Failed):
+            self._failure = event.error
+            if reraise:
+                raise event.error

@@ -1,0 +1,183 @@
+"""``produce()`` and ``ProducerPool`` against the v2 trainer stand-in: final lines with true
+numbers, buffer reuse safety, pings while a source blocks, failures carried to the pool."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+
+import numpy as np
+import pytest
+from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
+from stagefeed.common.options import MIB, ProducerOptions
+from stagefeed.common.schema import ArraySpec, Schema
+from stagefeed.producer.pool import ProducerPool
+from stagefeed.producer.sources import WorkerInfo
+from stagefeed.producer.worker import produce
+
+from tests.conftest import wait_for
+from tests.standin_trainer import StandInTrainer
+
+SMALL = Schema((ArraySpec("x", "float32", (16,)), ArraySpec("y", "int32")), batch_size=4)
+# 8 MiB a batch, a zero-copy frame then a copied one; values 0..99 fit both dtypes.
+CANARY = Schema((ArraySpec("x", "float32", (2**19,)), ArraySpec("y", "uint8")), batch_size=4)
+
+
+class Running:
+    """``produce(options)`` in a thread of this process; ``join()`` returns or re-raises."""
+
+    def __init__(self, options: ProducerOptions) -> None:
+        self.stop = threading.Event()
+        self.result: int | None = None
+        self.error: BaseException | None = None
+        info = WorkerInfo(0, 1, "test-producer", options.seed)
+        self._thread = threading.Thread(target=self._run, args=(options, info), daemon=True)
+        self._thread.start()
+
+    def _run(self, options: ProducerOptions, info: WorkerInfo) -> None:
+        try:
+            self.result = produce(options, info, self.stop)
+        except BaseException as exc:  # carried to join()
+            self.error = exc
+
+    def join(self, timeout: float = 30) -> int:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "produce() did not return"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def options_for(trainer: StandInTrainer, **kwargs) -> ProducerOptions:
+    return ProducerOptions(connect=trainer.endpoint, **kwargs)
+
+
+def lines(caplog, fragment: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if fragment in r.getMessage()]
+
+
+@pytest.fixture(autouse=True)
+def _info_logs(caplog):
+    caplog.set_level(logging.INFO, logger="stagefeed.producer")
+
+
+def test_dropped_verdicts_are_counted_by_reason_in_the_final_line(caplog):
+    drop = {1: "value_range", 2: "spec_mismatch", 4: "value_range"}
+    with StandInTrainer(SMALL, credit=1, regrant=True, drop=drop) as trainer:
+        count = Running(options_for(trainer, schema=SMALL, max_batches=8)).join()
+        assert wait_for(lambda: trainer.ends, 5)
+        assert trainer.seqs() == [0, 3, 5, 6, 7] and trainer.ends[0][1] == 8
+    assert count == 8
+    [final] = lines(caplog, "finished:")
+    assert final == (
+        "producer test-producer finished: 8 batches (seq 0..7); trainer refused 3 "
+        "(value_range: 2, spec_mismatch: 1); delivering the last 0 (up to 30 s)"
+    )
+    assert len(lines(caplog, "dropped batch")) == 2  # one line per reason per 5 s
+
+
+def test_a_filling_source_never_gets_a_buffer_zeromq_still_holds():
+    def canary(seq, arrays):  # every byte of batch seq must be what fill wrote for seq
+        return all(bool((array == seq % 100).all()) for array in arrays.values())
+
+    with StandInTrainer(
+        CANARY, credit=2, regrant=True, rcvhwm=1, inspect=canary, read_delay_s=0.02
+    ) as trainer:
+        options = options_for(trainer, source="tests.user_source:counting", inflight_mb=8)
+        assert options.max_unsent(CANARY) == 1  # a pool of 2: each reuse follows a release
+        assert Running(options).join(60) == 24
+        assert wait_for(lambda: trainer.ends, 5)
+        assert trainer.seqs() == list(range(24))
+        assert [r.summary for r in trainer.received] == [True] * 24
+
+
+def test_pings_arrive_while_the_source_is_slow():
+    with StandInTrainer(SMALL, credit=4) as trainer:
+        options = options_for(trainer, schema=SMALL, source="tests.user_source:slow_second")
+        assert Running(options).join() == 3  # the 2nd batch came after 5 s
+        assert wait_for(lambda: trainer.ends, 5)
+    first, second = trainer.received[0].at, trainer.received[1].at
+    during = [at for _, at in trainer.pings if first < at < second]
+    assert second - first > 4.5 and len(during) >= 2
+
+
+def test_a_stop_discards_and_says_how_many_were_held(caplog):
+    inflight = 3 * SMALL.batch_bytes / MIB  # max_unsent 3
+    with StandInTrainer(SMALL, credit=1) as trainer:
+        running = Running(options_for(trainer, schema=SMALL, inflight_mb=inflight))
+        assert wait_for(lambda: trainer.seqs() == [0], 5)
+        assert wait_for(lambda: lines(caplog, "at most 3 held"), 5)
+        running.stop.set()
+        with pytest.raises(ClosedError):
+            running.join()
+    [stopped] = lines(caplog, "stopped:")
+    assert re.fullmatch(
+        r"producer test-producer stopped: 4 batches handed over \(seq 0\.\.3\); trainer refused "
+        r"0; 3 not yet delivered discarded \(3 waiting for credit, 0 held by ZeroMQ\)",
+        stopped,
+    )
+
+
+def test_synthetic_batches_of_the_adopted_schema(caplog):
+    with StandInTrainer(SMALL, credit=8) as trainer:
+        assert Running(options_for(trainer, max_batches=3)).join() == 3
+        assert wait_for(lambda: trainer.ends, 5)
+    assert lines(caplog, "x float32[4,16], y int32[4] (0.0 MiB a batch)")
+
+
+def wrong_schema() -> Schema:
+    return Schema((ArraySpec("x", "float64", (16,)), ArraySpec("y", "int32")), batch_size=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "code", "message"),
+    [
+        (
+            {"schema": wrong_schema()},
+            ConfigError,
+            2,
+            "trainer at {endpoint}: x: producer sends float64[4, 16], trainer expects "
+            "float32[4, 16]",
+        ),
+        (
+            {"source": "tests.user_source:wrong_shape"},
+            ConfigError,
+            2,
+            "source 'tests.user_source:wrong_shape' batch 0: x is float32[1, 2, 3], "
+            "expected float32[4, 16]",
+        ),
+        (
+            {"source": "tests.user_source:fails"},
+            BrokenError,
+            3,
+            "source 'tests.user_source:fails' failed at batch 1: KeyError: 'no such shard'",
+        ),
+    ],
+    ids=["trainer-refuses-schema", "source-mismatch", "source-fails"],
+)
+def test_a_workers_failure_reaches_the_pool_as_one_line(kwargs, error, code, message):
+    with StandInTrainer(SMALL, credit=4) as trainer:
+        pool = ProducerPool(options_for(trainer, workers=2, **kwargs), logging.WARNING).start()
+        try:
+            assert wait_for(lambda: pool.alive() == 0, 60)
+            with pytest.raises(error) as info:
+                pool.wait(0)
+        finally:
+            pool.close()
+    assert str(info.value) == message.format(endpoint=trainer.endpoint)
+    assert [p.exitcode for p in pool.processes] == [code, code]
+
+
+def test_a_pool_whose_workers_finish_reports_nothing():
+    with StandInTrainer(SMALL, credit=4, regrant=True) as trainer:
+        pool = ProducerPool(options_for(trainer, workers=2, max_batches=5)).start()
+        try:
+            assert pool.wait(60)
+        finally:
+            pool.close()
+        assert wait_for(lambda: len(trainer.ends) == 2, 5)
+    assert sorted(seq for _, seq in trainer.ends) == [5, 5]
+    assert [p.exitcode for p in pool.processes] == [0, 0]
+    assert np.bincount([r.seq for r in trainer.received]).tolist() == [2] * 5
