@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from stagefeed.bench.config import STEP_MODES, TRANSPORTS, IngestConfig, StepsConfig
-from stagefeed.common.errors import ClosedError
-from stagefeed.common.spec import IMAGE_DTYPES, BatchSpec
+from stagefeed.bench.config import IMAGE_DTYPES, STEP_MODES, TRANSPORTS, IngestConfig, StepsConfig
+from stagefeed.common.errors import ClosedError, ConfigError
+from stagefeed.common.schema import image_schema
 
 log = logging.getLogger("stagefeed.bench")
 STOPPED = 130  # exit status after Ctrl-C / SIGTERM, as a shell reports SIGINT
@@ -78,12 +78,19 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _steps(args: argparse.Namespace) -> int:
-    from stagefeed.bench.steps import run_steps
+    try:
+        from stagefeed.bench.steps import run_steps
+    except ImportError as exc:
+        if exc.name != "psutil":
+            raise
+        raise ConfigError(str(exc)) from exc  # bench.cpu's message: what to install
     from stagefeed.bench.table import steps_table
 
     config = StepsConfig(
         modes=tuple(args.modes),
-        spec=_spec(args, args.batch_size, args.dtype),
+        schema=image_schema(
+            batch_size=args.batch_size, image_size=args.image_size, dtype=args.dtype
+        ),
         steps=args.steps,
         warmup_steps=args.warmup_steps,
         rounds=args.rounds,
@@ -136,9 +143,3 @@ def _run_and_report(
     if json_path:
         write_json(report, json_path)
     return 0
-
-
-def _spec(args: argparse.Namespace, batch_size: int, dtype: str) -> BatchSpec:
-    return BatchSpec(
-        batch_size=batch_size, height=args.image_size, width=args.image_size, image_dtype=dtype
-    )

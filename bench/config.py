@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.spec import IMAGE_DTYPES, BatchSpec
+from stagefeed.common.schema import Schema, image_schema
 
 STEP_MODES = (
     "synthetic-device",
@@ -19,10 +19,12 @@ STEP_MODES = (
     "stagefeed",
 )
 TRANSPORTS = ("tcp", "ipc")
+# Image dtypes the benchmarks make batches of (``common.schema.image_schema`` takes the same).
+IMAGE_DTYPES = ("float32", "uint8")
 DEVICES = ("auto", "cpu", "gpu")
 # The seed pre-filled a FIFOQueue of 106 batches before timing.
 SEED_QUEUE_DEPTH = 106
-# consumer.model.check_image_size says the same with TensorFlow imported; checked here so a bad
+# consumer.model.check_schema says the same with TensorFlow imported; checked here so a bad
 # flag fails before any worker process starts.
 MIN_IMAGE_SIZE = 195
 
@@ -33,6 +35,24 @@ def check_image_size(height: int, width: int) -> None:
             f"AlexNet needs images of at least {MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE} pixels, "
             f"got {height}x{width}"
         )
+
+
+def check_image_schema(schema: Schema) -> None:
+    """``ConfigError`` unless ``schema`` is the seed's AlexNet input that the benchmarks make
+    batches of: ``images`` [H, W, C] of an ``IMAGE_DTYPES`` dtype, at least 195x195, then
+    bounded int32 ``labels`` (what ``image_schema`` builds)."""
+    if not isinstance(schema, Schema) or schema.names != ("images", "labels"):
+        names = list(schema.names) if isinstance(schema, Schema) else type(schema).__name__
+        raise ConfigError(f"the benchmarks need arrays ['images', 'labels'], got {names}")
+    images, labels = schema["images"], schema["labels"]
+    if len(images.shape) != 3 or images.dtype not in IMAGE_DTYPES:
+        raise ConfigError(
+            f"the benchmarks need images [H, W, C] of {' or '.join(IMAGE_DTYPES)}, "
+            f"got {images.dtype}{list(images.shape)}"
+        )
+    check_image_size(images.shape[0], images.shape[1])
+    if labels.shape != () or labels.dtype != "int32" or labels.bounds is None:
+        raise ConfigError("the benchmarks need int32 labels [B] with bounds [0, num_classes)")
 
 
 def _at_least(name: str, value: int, low: int) -> None:
@@ -61,7 +81,7 @@ class StepsConfig:
     """
 
     modes: tuple[str, ...] = STEP_MODES
-    spec: BatchSpec = dataclasses.field(default_factory=lambda: BatchSpec(batch_size=64))
+    schema: Schema = dataclasses.field(default_factory=lambda: image_schema(batch_size=64))
     steps: int = 24
     warmup_steps: int = 2
     rounds: int = 0
@@ -84,15 +104,15 @@ class StepsConfig:
         _at_least("seed_prestage", self.seed_prestage, 0)
         _subset("transport", (self.transport,), TRANSPORTS)
         _subset("device", (self.device,), DEVICES)
-        check_image_size(self.spec.height, self.spec.width)
-        if self.queue_mb * 2**20 < self.spec.batch_bytes:
-            batch_mib = self.spec.batch_bytes / 2**20
+        check_image_schema(self.schema)
+        if self.queue_mb * 2**20 < self.schema.batch_bytes:
+            batch_mib = self.schema.batch_bytes / 2**20
             raise ConfigError(f"queue_mb={self.queue_mb} holds no batch of {batch_mib:.1f} MiB")
 
     @property
     def queue_capacity(self) -> int:
         """Batches the queue-fed modes hold (the seed's 106 at most)."""
-        return max(1, min(SEED_QUEUE_DEPTH, int(self.queue_mb * 2**20) // self.spec.batch_bytes))
+        return max(1, min(SEED_QUEUE_DEPTH, int(self.queue_mb * 2**20) // self.schema.batch_bytes))
 
     @property
     def round_count(self) -> int:
@@ -136,17 +156,12 @@ class IngestConfig:
         _subset("device", (self.device,), DEVICES)
         if not isinstance(self.gb, (int, float)) or not 0 < self.gb <= 1000:
             raise ConfigError(f"gb must be in (0, 1000], got {self.gb!r}")
-        self.spec(self.dtypes[0])  # validates batch_size and image_size
-        check_image_size(self.image_size, self.image_size)
+        check_image_schema(self.schema(self.dtypes[0]))  # batch_size and image_size
 
-    def spec(self, dtype: str) -> BatchSpec:
-        return BatchSpec(
-            batch_size=self.batch_size,
-            height=self.image_size,
-            width=self.image_size,
-            image_dtype=dtype,
-        )
+    def schema(self, dtype: str) -> Schema:
+        """The batches of one measurement: the seed's image schema with ``dtype`` images."""
+        return image_schema(batch_size=self.batch_size, image_size=self.image_size, dtype=dtype)
 
     def batches_for(self, dtype: str) -> int:
         """Timed batches for ``gb`` bytes of ``dtype`` batches (at least 3)."""
-        return max(3, round(self.gb * 1e9 / self.spec(dtype).batch_bytes))
+        return max(3, round(self.gb * 1e9 / self.schema(dtype).batch_bytes))

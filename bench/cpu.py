@@ -1,34 +1,46 @@
-"""CPU seconds read from /proc (Linux): what a feed path costs, measured next to the step.
+"""CPU seconds of processes and threads (psutil): what a feed path costs, next to the step.
 
 On a machine where the trainer computes on the same cores (CPU-only), every core-second the
-feed path spends is taken from the step; these figures say how many. ``None`` where /proc
-is not available.
+feed path spends is taken from the step; these figures say how many. ``None`` where the
+figure cannot be read (a process that is gone, a platform without per-thread times).
+
+psutil is a dev extra, not a dependency of the trainer's install: without it ``bench steps``
+stops at once and says what to install (``stagefeed.bench.cli``).
 """
 
 from __future__ import annotations
 
-import glob
-import os
 import threading
 from collections.abc import Iterable
 
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+try:
+    import psutil
+except ImportError as exc:
+    raise ImportError(
+        "stagefeed bench steps reads CPU time with psutil, which is not installed: "
+        "pip install psutil (or install stagefeed with the dev extra: pip install -e '.[dev]')",
+        name="psutil",
+    ) from exc
 
 
-def _stat_cpu_s(path: str) -> float | None:
+def process_cpu_s(pid: int | None = None) -> float | None:
+    """User + system CPU seconds of a process (all its threads; this one if ``pid`` is None);
+    None if it cannot be read."""
     try:
-        with open(path, encoding="ascii") as f:
-            text = f.read()
-    except OSError:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.Error, OSError):
         return None
-    # Fields after "(comm)": state is field 3, utime field 14, stime field 15 (1-based).
-    fields = text[text.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+    return times.user + times.system
 
 
-def process_cpu_s(pid: int | str = "self") -> float | None:
-    """User + system CPU seconds of a process (all its threads); None if unreadable."""
-    return _stat_cpu_s(f"/proc/{pid}/stat")
+def _kernel_name(tid: int) -> str | None:
+    """A thread's kernel name (``comm``), e.g. ZeroMQ's ``ZMQbg/IO/0``: psutil has no thread
+    names, so this one file is read directly (Linux)."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None  # the thread ended meanwhile, or no /proc
 
 
 def threads_cpu_s(
@@ -36,23 +48,20 @@ def threads_cpu_s(
 ) -> float | None:
     """CPU seconds of this process's threads: Python threads whose name starts with one of
     ``name_prefixes``, plus native threads (e.g. ZeroMQ's ``ZMQbg/IO/0``) whose kernel name
-    starts with one of ``comm_prefixes``."""
-    if not os.path.isdir("/proc/self/task"):
+    starts with one of ``comm_prefixes``. None where per-thread times cannot be read."""
+    try:
+        threads = psutil.Process().threads()
+    except (psutil.Error, OSError):
         return None
     wanted = {
         t.native_id for t in threading.enumerate() if t.name.startswith(name_prefixes or ("\0",))
     }
     total = 0.0
-    for task in glob.glob("/proc/self/task/*"):
-        try:
-            with open(f"{task}/comm", encoding="utf-8", errors="replace") as f:
-                comm = f.read().strip()
-        except OSError:
-            continue  # the thread ended meanwhile
-        if int(os.path.basename(task)) in wanted or (
-            comm_prefixes and comm.startswith(comm_prefixes)
+    for thread in threads:
+        if thread.id in wanted or (
+            comm_prefixes and (_kernel_name(thread.id) or "").startswith(comm_prefixes)
         ):
-            total += _stat_cpu_s(f"{task}/stat") or 0.0
+            total += thread.user_time + thread.system_time
     return total
 
 

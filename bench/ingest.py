@@ -1,14 +1,15 @@
-"""``bench ingest``: how many GB/s producers -> ZeroMQ -> receive threads -> FIFOQueue deliver.
+"""``bench ingest``: how many GB/s producers -> ZeroMQ -> intake -> FIFOQueue deliver.
 
-The trainer is the real one (``consumer.trainer.Trainer`` with its receive pool, FIFOQueue
-and StagingArea) with the train op replaced by a trivial consumer, so a step costs almost
-nothing and the step rate is the delivery rate. Each measurement is reported next to raw
-pyzmq for the same messages, transport and sender count, measured just before or after it
-(the order alternates), and next to single-core memcpy.
+The trainer is the real one (``consumer.trainer.Trainer`` with its intake, FIFOQueue and
+StagingArea) with ``trivial_model_fn`` as its model, so a step costs almost nothing and the
+step rate is the delivery rate. Each measurement is reported next to raw pyzmq for the same
+messages, transport and sender count, measured just before or after it (the order
+alternates), and next to single-core memcpy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -19,12 +20,14 @@ from typing import Any
 
 import tensorflow as tf
 from stagefeed.bench.config import IngestConfig
+from stagefeed.bench.liveness import pool_check
 from stagefeed.bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
 from stagefeed.bench.report import machine
-from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.errors import ClosedError
+from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
-from stagefeed.common.spec import BatchSpec
+from stagefeed.common.schema import Schema
 from stagefeed.consumer.trainer import StepRecord, Trainer
 from stagefeed.producer.pool import ProducerPool
 
@@ -33,20 +36,39 @@ log = logging.getLogger(__name__)
 STAGE_DEPTH = 1
 
 
-def trivial_step(
-    images: tf.Tensor, labels: tf.Tensor, spec: BatchSpec
+def trivial_model_fn(
+    staged: dict[str, tf.Tensor], schema: Schema
 ) -> tuple[tf.Tensor, tf.Operation]:
     """Reads the labels and one pixel of every image: proves the batch arrived, costs ~nothing."""
-    del spec
+    del schema
+    images, labels = staged["images"], staged["labels"]
     probe = tf.reduce_sum(tf.cast(images[:, 0, 0, 0], tf.float32))
     loss = tf.cast(tf.reduce_max(labels), tf.float32) + 0.0 * probe
     return loss, loss.op
 
 
+def delivery_schema(schema: Schema) -> Schema:
+    """``schema`` without device-side casts: the same arrays, bytes and messages.
+
+    The trainer casts every staged array its schema says to cast *before* the model sees it
+    (``consumer.graph.cast_on_device``), and TensorFlow computes the whole cast even when the
+    model then reads one pixel: for uint8 that would be a full uint8 -> float32 conversion of
+    every batch, which a real model pays but a delivery measurement must not. Without the
+    cast the trivial model gets the batch as delivered, as before the schema existed.
+    """
+    arrays = tuple(dataclasses.replace(a, cast=None, scale=None) for a in schema.arrays)
+    return dataclasses.replace(schema, arrays=arrays)
+
+
+def _delivering(ledger: Ledger) -> int:
+    """Connections that delivered at least one batch (a hello alone does not count)."""
+    return sum(1 for books in ledger.summary().values() if books.get("received"))
+
+
 class _Clock:
     """A ``StepObserver`` that picks the timed steps and ends training after ``count``.
 
-    Timing starts ``warmup`` steps after every producer has been heard from, so producers
+    Timing starts ``warmup`` steps after every producer has delivered a batch, so producers
     that start late, and batches buffered while the trainer started, fall in the warm-up.
     """
 
@@ -59,7 +81,7 @@ class _Clock:
         self.timed: list[StepRecord] = []
 
     def on_step(self, record: StepRecord, trainer: Trainer) -> None:
-        if self.all_seen_at_step is None and trainer.ledger.producer_count() >= self.producers:
+        if self.all_seen_at_step is None and _delivering(trainer.ledger) >= self.producers:
             self.all_seen_at_step = record.step
         if self.all_seen_at_step is not None:
             if record.step == self.all_seen_at_step + self.warmup:
@@ -71,7 +93,7 @@ class _Clock:
 
 
 def measure_stagefeed(
-    spec: BatchSpec,
+    schema: Schema,
     producers: int,
     transport: str,
     count: int,
@@ -81,24 +103,29 @@ def measure_stagefeed(
 ) -> dict[str, Any]:
     """GB/s over ``count`` consumed batches, timed once the start-up buffers were drained.
 
-    Warm-up drains what the queue, staging area, receive threads, proxy and ZeroMQ pipes
-    can hold, so the timed steps wait on delivery alone. Receive threads = producers.
+    Warm-up drains what the queue, staging area and the intake's credit pool can hold, so the
+    timed steps wait on delivery alone. Enqueue threads (``recv_threads``) = producers.
+    Trainer and producers both use ``delivery_schema(schema)``: ``schema``'s messages, and no
+    cast before the trivial model.
     """
+    schema = delivery_schema(schema)
     capacity = max(2, producers)
-    buffered = capacity + STAGE_DEPTH + 1 + 2 * producers + producers  # + proxy, pipes
+    # Queue, staging, the batch a step holds, then 3 per producer: the count used since the
+    # receive pool (pipes + proxy), more than the intake's credit pool (recv_threads + 2).
+    buffered = capacity + STAGE_DEPTH + 1 + 3 * producers
     bind, ipc_path = endpoint_for(transport, "ingest")
     options = TrainerOptions(
         bind=bind,
-        spec=spec,
+        schema=schema,
         recv_threads=producers,
         steps=0,  # until the clock says done
         warmup_steps=0,  # the clock decides which steps are timed
-        queue_mb=(capacity * spec.batch_bytes + 1) / 2**20,
+        queue_mb=(capacity * schema.batch_bytes + 1) / 2**20,
         stage_depth=STAGE_DEPTH,
         device=device,
     )
     clock = _Clock(producers, buffered + 2, count, stop)
-    trainer = Trainer(options, [clock], step_builder=trivial_step)
+    trainer = Trainer(options, [clock], model_fn=trivial_model_fn)
     pool: ProducerPool | None = None
     try:
         trainer.start()
@@ -106,12 +133,12 @@ def measure_stagefeed(
             ProducerOptions(
                 connect=trainer.endpoint,
                 workers=producers,
-                spec=spec,
-                inflight_mb=2 * spec.batch_bytes / 2**20,
+                schema=schema,
+                inflight_mb=2 * schema.batch_bytes / 2**20,
             ),
             log_level,
         ).start()
-        trainer.train(clock.done, health_check=lambda: _check_pool(pool))
+        trainer.train(clock.done, health_check=pool_check(pool))
     finally:
         if pool is not None:
             pool.close()
@@ -125,9 +152,9 @@ def measure_stagefeed(
     return {
         "batches": count,
         "warmup_batches": clock.timed[0].step - 1,
-        "bytes": count * spec.batch_bytes,
+        "bytes": count * schema.batch_bytes,
         "seconds": round(elapsed, 4),
-        "gb_per_s": round(count * spec.batch_bytes / elapsed / 1e9, 3),
+        "gb_per_s": round(count * schema.batch_bytes / elapsed / 1e9, 3),
         # The consumer is far faster than delivery, so this is near 100%: it says the step
         # waited on delivery, i.e. the figure is the feed path's, not the consumer's.
         "consumer_wait_pct": round(100 * sum(r.wait_s for r in clock.timed) / elapsed, 2),
@@ -137,15 +164,9 @@ def measure_stagefeed(
     }
 
 
-def _check_pool(pool: ProducerPool) -> None:
-    if not pool.alive():
-        pool.wait(0)  # raises BrokenError if one failed
-        raise BrokenError("all producers ended")
-
-
 def _compare(
     config: IngestConfig,
-    spec: BatchSpec,
+    schema: Schema,
     transport: str,
     producers: int,
     raw_first: bool,
@@ -153,7 +174,7 @@ def _compare(
     log_level: int,
 ) -> dict[str, Any]:
     """Raw pyzmq and stagefeed, ``config.repeats`` times each in alternating order; medians."""
-    count = config.batches_for(spec.image_dtype)
+    count = config.batches_for(schema["images"].dtype)
     samples: dict[str, list[dict[str, Any]]] = {"raw": [], "stagefeed": []}
     for repeat in range(config.repeats):
         raw_now = raw_first == (repeat % 2 == 0)
@@ -161,11 +182,11 @@ def _compare(
             if stop.is_set():
                 raise ClosedError("stop requested")
             if which == "raw":
-                samples["raw"].append(measure_raw(spec, producers, transport, count, log_level))
+                samples["raw"].append(measure_raw(schema, producers, transport, count, log_level))
             else:
                 samples["stagefeed"].append(
                     measure_stagefeed(
-                        spec, producers, transport, count, config.device, stop, log_level
+                        schema, producers, transport, count, config.device, stop, log_level
                     )
                 )
     result: dict[str, Any] = {}
@@ -192,19 +213,19 @@ def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str,
         for index, (dtype, transport, producers) in enumerate(combos):
             if stop.is_set():
                 raise ClosedError("stop requested")
-            spec = config.spec(dtype)
+            schema = config.schema(dtype)
             if dtype not in memcpy:
-                memcpy[dtype] = measure_memcpy(spec, config.memcpy_repeats)
+                memcpy[dtype] = measure_memcpy(schema, config.memcpy_repeats)
             run: dict[str, Any] = {
                 "dtype": dtype,
-                "batch_mb": round(spec.batch_bytes / 1e6, 2),
+                "batch_mb": round(schema.batch_bytes / 1e6, 2),
                 "transport": transport,
                 "producers": producers,
                 "recv_threads": producers,
                 "batches_per_measurement": config.batches_for(dtype),
             }
             raw_first = index % 2 == 0
-            run.update(_compare(config, spec, transport, producers, raw_first, stop, log_level))
+            run.update(_compare(config, schema, transport, producers, raw_first, stop, log_level))
             log.info(
                 "%s %s x%d: raw %.3f GB/s, stagefeed %.3f GB/s (%.2fx)",
                 dtype,

@@ -1,7 +1,8 @@
 """The graph-only input modes of ``bench steps``: one class per way of handing AlexNet a batch.
 
-Every mode trains ``consumer.graph.alexnet_step`` (the seed's AlexNet, uint8 cast on the
-device) on the same batch shape. A mode's lifecycle: ``setup()`` -> ``step()`` ... with
+Every mode trains ``alexnet_step`` (``consumer.model.model_fn``, the seed's AlexNet, on the batch
+cast on the device by ``consumer.graph.cast_on_device`` as the schema says: uint8 images to
+float32 / 255) on the same schema. A mode's lifecycle: ``setup()`` -> ``step()`` ... with
 ``settle()`` after each block of steps -> ``close()``. ``step()`` returns
 ``(step seconds, input-wait seconds or None)``: only a mode that waits for its input outside
 ``session.run`` can say how long it waited. Numpy batches are generated once, in ``setup()``,
@@ -15,9 +16,11 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from stagefeed.bench.batches import host_batch
 from stagefeed.bench.config import StepsConfig
-from stagefeed.common.spec import BatchSpec
-from stagefeed.consumer.graph import alexnet_step
+from stagefeed.common.schema import Schema
+from stagefeed.consumer import model
+from stagefeed.consumer.graph import cast_on_device
 
 v1 = tf.compat.v1
 
@@ -27,15 +30,17 @@ TF_DATA_PREFETCH = 2
 TF_DATA_SETTLE_S = 0.5
 
 
-def host_batch(spec: BatchSpec, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """One numpy batch like the seed's ``get_numpy_batch``: an ordinary (unaligned) array."""
-    rng = np.random.default_rng(seed)
-    if spec.image_dtype == "uint8":
-        images = rng.integers(0, 256, size=spec.image_shape, dtype=np.uint8)
-    else:
-        images = rng.random(spec.image_shape, dtype=np.float32)
-    labels = rng.integers(0, spec.num_classes, size=spec.label_shape, dtype=np.int32)
-    return images, labels
+def alexnet_step(
+    images: tf.Tensor, labels: tf.Tensor, schema: Schema
+) -> tuple[tf.Tensor, tf.Operation]:
+    """(loss, train op): the trainer's own step on a batch as it arrives (call under the
+    training device): the schema's cast and scale, then ``consumer.model.model_fn``."""
+    staged = cast_on_device({"images": images, "labels": labels}, schema)
+    return model.model_fn(staged, schema)
+
+
+def tf_dtype(schema: Schema, name: str) -> tf.DType:
+    return tf.as_dtype(schema[name].np_dtype)
 
 
 def alignment(array: np.ndarray) -> int:
@@ -58,7 +63,7 @@ class GraphMode:
 
     def __init__(self, config: StepsConfig, device: str) -> None:
         self.config = config
-        self.spec = config.spec
+        self.schema = config.schema
         self.device = device
         self.session: Any = None
         self._fetch: Any = None
@@ -110,15 +115,15 @@ class SyntheticMode(GraphMode):
         self.name = "synthetic-host" if on_host else "synthetic-device"
 
     def build(self) -> dict[str, Any]:
-        spec = self.spec
+        schema = self.schema
+        image_shape = schema.batch_shape(schema["images"])
+        num_classes = schema["labels"].bounds[1]
         data_device = "/cpu:0" if self.on_host else self.device
         with tf.device(data_device):
-            if spec.image_dtype == "uint8":
-                initial = tf.cast(
-                    tf.random.uniform(spec.image_shape, 0, 256, dtype=tf.int32), tf.uint8
-                )
+            if schema["images"].dtype == "uint8":
+                initial = tf.cast(tf.random.uniform(image_shape, 0, 256, dtype=tf.int32), tf.uint8)
             else:
-                initial = v1.truncated_normal(spec.image_shape, mean=127.0, stddev=60.0)
+                initial = v1.truncated_normal(image_shape, mean=127.0, stddev=60.0)
             images = v1.Variable(
                 initial,
                 trainable=False,
@@ -126,10 +131,14 @@ class SyntheticMode(GraphMode):
                 name="synthetic_images",
             )
             labels = tf.random.uniform(
-                spec.label_shape, 0, spec.num_classes, dtype=tf.int32, name="synthetic_labels"
+                schema.batch_shape(schema["labels"]),
+                0,
+                num_classes,
+                dtype=tf.int32,
+                name="synthetic_labels",
             )
         with tf.device(self.device):
-            _, self._fetch = alexnet_step(tf.identity(images), labels, spec)
+            _, self._fetch = alexnet_step(tf.identity(images), labels, schema)
         copies = self.on_host and not self.device.startswith("/cpu")
         return {
             "data_device": data_device,
@@ -144,15 +153,17 @@ class FeedDictMode(GraphMode):
     name = "feed_dict"
 
     def build(self) -> dict[str, Any]:
-        spec = self.spec
-        images, labels = host_batch(spec)
+        schema = self.schema
+        batch = host_batch(schema)
         with tf.device("/cpu:0"):
-            images_in = v1.placeholder(tf.as_dtype(spec.image_dtype), spec.image_shape)
-            labels_in = v1.placeholder(tf.int32, spec.label_shape)
+            inputs = {
+                name: v1.placeholder(tf_dtype(schema, name), schema.batch_shape(schema[name]))
+                for name in ("images", "labels")
+            }
         with tf.device(self.device):
-            _, self._fetch = alexnet_step(images_in, labels_in, spec)
-        self._feed = {images_in: images, labels_in: labels}
-        return {"host_batch_align64": alignment(images)}
+            _, self._fetch = alexnet_step(inputs["images"], inputs["labels"], schema)
+        self._feed = {inputs[name]: batch[name] for name in inputs}
+        return {"host_batch_align64": alignment(batch["images"])}
 
 
 class TfDataMode(GraphMode):
@@ -164,16 +175,17 @@ class TfDataMode(GraphMode):
     name = "tf.data"
 
     def build(self) -> dict[str, Any]:
-        spec = self.spec
-        batches = [host_batch(spec)]
+        schema = self.schema
+        batch = host_batch(schema)
+        batches = [(batch["images"], batch["labels"])]
 
         def generate():
             while True:
                 yield from batches
 
-        signature = (
-            tf.TensorSpec(spec.image_shape, tf.as_dtype(spec.image_dtype)),
-            tf.TensorSpec(spec.label_shape, tf.int32),
+        signature = tuple(
+            tf.TensorSpec(schema.batch_shape(schema[name]), tf_dtype(schema, name))
+            for name in ("images", "labels")
         )
         on_gpu = self.device.startswith("/gpu")
         with tf.device("/cpu:0"):
@@ -183,7 +195,7 @@ class TfDataMode(GraphMode):
             dataset = dataset.apply(tf.data.experimental.prefetch_to_device(self.device))
         images, labels = v1.data.make_one_shot_iterator(dataset).get_next()
         with tf.device(self.device):
-            _, self._fetch = alexnet_step(images, labels, spec)
+            _, self._fetch = alexnet_step(images, labels, schema)
         return {
             "prefetch": TF_DATA_PREFETCH,
             "prefetch_to_device": on_gpu,

@@ -1,9 +1,10 @@
 """The peers ``bench ingest`` compares against: raw pyzmq between processes, and memcpy.
 
-Raw pyzmq is the transport's ceiling for stagefeed's own messages (same header and frames,
-same transport, same socket options on the receiving side): sender processes push one
-prebuilt message zero-copy in a loop, the receiver takes it zero-copy and drops it. No
-TensorFlow here: this module is imported by the spawned sender processes.
+Raw pyzmq is the transport's ceiling for stagefeed's own messages (a protocol v2 ``batch``
+header and one frame per array, same transport): sender processes push one prebuilt message
+zero-copy in a loop to one PULL socket (receive high-water mark 1, I/O threads as the
+trainer's), the receiver takes it zero-copy and drops it. No flow control and no replies: the
+ceiling. No TensorFlow here: this module is imported by the spawned sender processes.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import zmq
+from stagefeed.bench.batches import host_batch
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import stop_processes
 from stagefeed.common.logs import setup_logging
-from stagefeed.common.spec import BatchSpec
-from stagefeed.producer.sources import SyntheticSource
+from stagefeed.common.schema import Schema
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,16 @@ def endpoint_for(transport: str, tag: str) -> tuple[str, str | None]:
     return "tcp://127.0.0.1:*", None
 
 
-def sender_main(endpoint: str, spec: BatchSpec, index: int, stop: Any, log_level: int) -> None:
-    """A raw sender process: one message built once, sent zero-copy until ``stop``."""
+def sender_main(endpoint: str, schema: Schema, index: int, stop: Any, log_level: int) -> None:
+    """A raw sender process: one message built once, sent zero-copy until ``stop``.
+
+    The batch header's ``seq`` is the sender's index (the v2 batch header names no producer),
+    so the receiver can tell when every sender has been heard from.
+    """
     setup_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown
-    arrays = next(iter(SyntheticSource(spec, pool_size=1, seed=index)))
-    frames = protocol.encode(f"raw-{index}", 0, arrays)
+    batch = host_batch(schema, seed=index)
+    frames = protocol.encode_batch(index, [(name, batch[name]) for name in schema.names])
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, SENDER_HWM)
@@ -63,7 +68,7 @@ def sender_main(endpoint: str, spec: BatchSpec, index: int, stop: Any, log_level
 
 
 def measure_raw(
-    spec: BatchSpec, senders: int, transport: str, count: int, log_level: int = logging.WARNING
+    schema: Schema, senders: int, transport: str, count: int, log_level: int = logging.WARNING
 ) -> dict[str, Any]:
     """GB/s (1e9 B) of ``count`` messages, timed once every sender has been heard from.
 
@@ -83,16 +88,17 @@ def measure_raw(
         for i in range(senders):
             proc = mp.Process(
                 target=sender_main,
-                args=(endpoint, spec, i, stop, log_level),
+                args=(endpoint, schema, i, stop, log_level),
                 name=f"bench-raw-sender-{i}",
                 daemon=True,
             )
             proc.start()
             procs.append(proc)
-        seen: set[str] = set()
+        seen: set[int] = set()
         warmup = 0
         while len(seen) < senders:
-            seen.add(protocol.decode(_recv(sock, procs)).producer)
+            header = _recv(sock, procs)[0]
+            seen.add(protocol.decode_header(header, protocol.FROM_PRODUCER)["seq"])
             warmup += 1
         for _ in range(2 * senders):
             _recv(sock, procs)
@@ -130,9 +136,10 @@ def _recv(sock: zmq.Socket, procs: list) -> list:
     return sock.recv_multipart(copy=False)
 
 
-def measure_memcpy(spec: BatchSpec, repeats: int) -> dict[str, Any]:
+def measure_memcpy(schema: Schema, repeats: int) -> dict[str, Any]:
     """Single-core ``np.copyto`` of one batch's images into a preallocated array."""
-    source = np.empty(spec.image_shape, dtype=spec.image_dtype)
+    images = schema["images"]
+    source = np.empty(schema.batch_shape(images), dtype=images.np_dtype)
     source.fill(1)
     target = np.empty_like(source)
     np.copyto(target, source)  # fault the target's pages in before timing

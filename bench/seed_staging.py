@@ -18,11 +18,11 @@ import time
 from typing import Any
 
 import tensorflow as tf
+from stagefeed.bench.batches import host_batch
 from stagefeed.bench.cpu import threads_cpu_s
-from stagefeed.bench.modes import GraphMode, alignment, host_batch
+from stagefeed.bench.modes import GraphMode, alexnet_step, alignment, tf_dtype
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import join_threads
-from stagefeed.consumer.graph import alexnet_step
 from tensorflow.python.ops.data_flow_ops import StagingArea
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,13 @@ class SeedStagingMode(GraphMode):
         self.capacity = config.queue_capacity
 
     def build(self) -> dict[str, Any]:
-        spec = self.spec
-        self._images, self._labels = host_batch(spec)
-        image_dtype = tf.as_dtype(spec.image_dtype)
-        unknown_batch = [None, spec.height, spec.width, spec.channels]
+        schema = self.schema
+        batch = host_batch(schema)
+        self._images, self._labels = batch["images"], batch["labels"]
+        image_dtype = tf_dtype(schema, "images")
+        image_shape = schema.batch_shape(schema["images"])
+        label_shape = schema.batch_shape(schema["labels"])
+        unknown_batch = [None, *schema["images"].shape]
         with tf.device("/cpu:0"):
             self._images_in = v1.placeholder(image_dtype, unknown_batch)
             self._labels_in = v1.placeholder(tf.int32, [None])
@@ -58,15 +61,15 @@ class SeedStagingMode(GraphMode):
             self._close_queue = queue.close(cancel_pending_enqueues=True)
             self._size = queue.size()
             images, labels = queue.dequeue()
-            images.set_shape(spec.image_shape)
-            labels.set_shape(spec.label_shape)
+            images.set_shape(image_shape)
+            labels.set_shape(label_shape)
         with tf.device(self.device):
             stage = StagingArea(dtypes=[image_dtype, tf.int32], shapes=None)
             self._put = stage.put([images, labels])
             images, labels = stage.get()
-            images.set_shape(spec.image_shape)
-            labels.set_shape(spec.label_shape)
-            _, train = alexnet_step(images, labels, spec)
+            images.set_shape(image_shape)
+            labels.set_shape(label_shape)
+            _, train = alexnet_step(images, labels, schema)
             self._fetch = tf.group(train, self._put)
         return {
             "queue_capacity": self.capacity,

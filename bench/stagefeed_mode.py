@@ -1,6 +1,6 @@
 """The stagefeed mode of ``bench steps``: the real trainer fed by real producer processes.
 
-``consumer.trainer.Trainer`` (receive pool, FIFOQueue, StagingArea, AlexNet step) and
+``consumer.trainer.Trainer`` (intake, FIFOQueue, StagingArea, ``consumer.model.model_fn``) and
 ``producer.pool.ProducerPool`` run as in ``stagefeed run``; nothing is reimplemented. The
 trainer's loop runs on its own thread ("bench-stagefeed-train") and a gate observer holds it
 after every step until ``step()`` asks for the next one, so steps run only when this mode is
@@ -19,9 +19,11 @@ from typing import Any
 
 from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
+from stagefeed.bench.liveness import pool_check
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.consumer import model
 from stagefeed.consumer.trainer import StepRecord, Trainer
 from stagefeed.producer.pool import ProducerPool
 
@@ -56,7 +58,7 @@ class StagefeedMode:
         self.pool: ProducerPool | None = None
 
     def setup(self) -> dict[str, Any]:
-        config, spec = self.config, self.config.spec
+        config, schema = self.config, self.config.schema
         if config.transport == "ipc":
             self._ipc_path = os.path.join(tempfile.gettempdir(), f"stagefeed-bench-{os.getpid()}")
             bind = f"ipc://{self._ipc_path}"
@@ -64,20 +66,20 @@ class StagefeedMode:
             bind = "tcp://127.0.0.1:*"
         options = TrainerOptions(
             bind=bind,
-            spec=spec,
+            schema=schema,
             recv_threads=config.recv_threads,
             steps=0,  # until stopped: the gate decides how many steps run
             warmup_steps=0,  # the coordinator's warm-up steps are this mode's first steps
-            queue_mb=config.queue_capacity * spec.batch_bytes / 2**20,
+            queue_mb=config.queue_capacity * schema.batch_bytes / 2**20,
             stage_depth=STAGE_DEPTH,
             device="gpu" if self.device.startswith("/gpu") else "cpu",
         )
-        self.trainer = Trainer(options, [self]).start()
+        self.trainer = Trainer(options, [self], model_fn=model.model_fn).start()
         producer_options = ProducerOptions(
             connect=self.trainer.endpoint,
             workers=config.producers,
-            spec=spec,
-            inflight_mb=PRODUCER_UNSENT_BATCHES * spec.batch_bytes / 2**20,
+            schema=schema,
+            inflight_mb=PRODUCER_UNSENT_BATCHES * schema.batch_bytes / 2**20,
         )
         self.pool = ProducerPool(producer_options, logging.getLogger().level).start()
         self._thread = threading.Thread(target=self._train, name="bench-stagefeed-train")
@@ -134,16 +136,17 @@ class StagefeedMode:
 
     def feed_cpu_s(self) -> float | None:
         """CPU seconds so far of the feed path: producer processes, ZeroMQ I/O threads, the
-        proxy and receive threads (the trainer's TF threads are not counted)."""
+        intake thread and the enqueue threads (the trainer's TF threads are not counted)."""
         assert self.pool is not None
         producers = [process_cpu_s(p.pid) for p in self.pool.processes]
-        receive = threads_cpu_s(("stagefeed-proxy", "stagefeed-recv"), ("ZMQbg/IO",))
+        receive = threads_cpu_s(("stagefeed-intake", "stagefeed-enqueue"), ("ZMQbg/IO",))
         return sum_cpu_s([*producers, receive])
 
     def _train(self) -> None:
         assert self.trainer is not None
+        assert self.pool is not None
         try:
-            self.trainer.train(self._stop, health_check=self._check_pool)
+            self.trainer.train(self._stop, health_check=pool_check(self.pool))
         except ClosedError:
             pass  # stopped by close()
         except Exception as exc:  # noqa: BLE001 - handed to step(), never swallowed
@@ -151,12 +154,6 @@ class StagefeedMode:
             self._failure = exc
         finally:
             self._records.put(None)
-
-    def _check_pool(self) -> None:
-        assert self.pool is not None
-        if not self.pool.alive():
-            self.pool.wait(0)  # raises BrokenError if one failed
-            raise BrokenError("all producers ended")
 
     def _check(self) -> None:
         if self._failure is not None:

@@ -134,11 +134,11 @@ def summarize(
     and any in-process feeding); ``feed_cpu_ms_per_step``: core-ms of the feed path alone,
     producer processes included, for the modes that can tell (seed-staging, stagefeed).
     """
-    spec = config.spec
+    schema = config.schema
     modes: dict[str, Any] = {}
     for name in config.modes:
         step_s, wait_s = timed[name]["step_s"], timed[name]["wait_s"]
-        figures = step_figures(step_s, spec.batch_size)
+        figures = step_figures(step_s, schema.batch_size)
         waits = [w for w in wait_s if w is not None]
         measured = len(waits) == len(step_s) and step_s
         figures["stall_pct"] = rounded(100 * sum(waits) / sum(step_s)) if measured else None
@@ -159,7 +159,8 @@ def summarize(
         median = figures["median_ms"]
         figures["ratio"] = rounded(median / reference, 3) if reference and median else None
     settings = dataclasses.asdict(config)
-    settings["spec"]["batch_mb"] = round(spec.batch_bytes / 1e6, 2)
+    settings["schema"] = schema.to_dict()  # the form of --schema files and the welcome
+    settings["batch_mb"] = round(schema.batch_bytes / 1e6, 2)
     settings["queue_capacity"] = config.queue_capacity
     settings["rounds"] = config.round_count
     device = next((i.get("device") for i in info.values() if i.get("device")), "")

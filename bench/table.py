@@ -10,7 +10,7 @@ MODE_MEANING = {
     "feed_dict": "a numpy batch fed through placeholders every step",
     "seed-staging": "the seed's Python thread -> FIFOQueue -> StagingArea, put grouped",
     "tf.data": "Dataset.from_generator over numpy batches + prefetch",
-    "stagefeed": "producer processes -> ZeroMQ -> receive pool -> FIFOQueue -> StagingArea",
+    "stagefeed": "producer processes -> ZeroMQ -> intake -> FIFOQueue -> StagingArea",
 }
 
 
@@ -18,12 +18,18 @@ def _cell(value: Any, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value}{suffix}"
 
 
+def _images(schema: dict[str, Any]) -> dict[str, Any]:
+    """The ``images`` entry of a schema in its ``to_dict`` form."""
+    return next(a for a in schema["arrays"] if a["name"] == "images")
+
+
 def steps_table(report: dict[str, Any]) -> str:
-    s, spec = report["settings"], report["settings"]["spec"]
+    s, schema = report["settings"], report["settings"]["schema"]
+    images = _images(schema)
     m = report["machine"]
     lines = [
-        f"stagefeed bench steps: AlexNet, batch {spec['batch_size']} x {spec['image_dtype']} "
-        f"{spec['height']}x{spec['width']}x{spec['channels']} ({spec['batch_mb']} MB), "
+        f"stagefeed bench steps: AlexNet, batch {schema['batch_size']} x {images['dtype']} "
+        f"{'x'.join(map(str, images['shape']))} ({s['batch_mb']} MB), "
         f"device {report['device']}, TF {report['tensorflow']}",
         f"{s['steps']} timed steps per mode in {s['rounds']} interleaved rounds, after "
         f"{s['warmup_steps']} warm-up steps; {m['cpus']} CPUs ({m['cpu']}), load "
@@ -54,8 +60,8 @@ def steps_table(report: dict[str, Any]) -> str:
     if "stagefeed" in report["modes"]:
         i = report["modes"]["stagefeed"]["info"]
         notes.append(
-            f"stagefeed: {i.get('producers')} producers, {i.get('recv_threads')} receive "
-            f"threads, queue {i.get('queue_capacity')} batches, staging depth "
+            f"stagefeed: {i.get('producers')} producers, {i.get('recv_threads')} enqueue "
+            f"threads (--recv-threads), queue {i.get('queue_capacity')} batches, staging depth "
             f"{i.get('stage_depth')}, {s['transport']}."
         )
     feed_cpu = [
@@ -101,7 +107,7 @@ def ingest_table(report: dict[str, Any]) -> str:
         "",
         "note: raw pyzmq = the same messages from as many sender processes into one PULL "
         "socket, zero-copy send and receive, nothing done with them (the transport's ceiling).",
-        "note: stagefeed = producer processes -> ZeroMQ -> proxy -> receive threads -> "
+        "note: stagefeed = producer processes -> ZeroMQ -> intake -> enqueue threads -> "
         "FIFOQueue -> StagingArea, consumed by a step that reads labels and one pixel per image.",
     ]
     return "\n".join(lines)

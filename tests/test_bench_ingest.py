@@ -10,15 +10,15 @@ import math
 
 import pytest
 from stagefeed.bench.rawzmq import measure_memcpy, measure_raw
-from stagefeed.common.spec import BatchSpec
+from stagefeed.common.schema import image_schema
 
 from tests.conftest import run_cli
 
-TINY_SPEC = BatchSpec(batch_size=2, image_dtype="uint8")
+TINY_SCHEMA = image_schema(batch_size=2, dtype="uint8")
 
 
 def test_memcpy_copies_one_batch_of_images():
-    result = measure_memcpy(TINY_SPEC, repeats=3)
+    result = measure_memcpy(TINY_SCHEMA, repeats=3)
     assert result["bytes"] == 2 * 227 * 227 * 3
     assert result["repeats"] == 3
     assert math.isfinite(result["gb_per_s"]) and result["gb_per_s"] > 0
@@ -27,9 +27,9 @@ def test_memcpy_copies_one_batch_of_images():
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_raw_pyzmq_counts_every_timed_byte(transport):
-    result = measure_raw(TINY_SPEC, senders=2, transport=transport, count=6)
+    result = measure_raw(TINY_SCHEMA, senders=2, transport=transport, count=6)
     assert result["messages"] == 6
-    assert result["bytes"] == 6 * TINY_SPEC.batch_bytes
+    assert result["bytes"] == 6 * TINY_SCHEMA.batch_bytes
     assert result["warmup_messages"] >= 2 + 2 * 2  # each sender heard from, then 2 x senders
     assert math.isfinite(result["gb_per_s"]) and result["gb_per_s"] > 0
 
@@ -49,12 +49,12 @@ def test_ingest_reports_stagefeed_next_to_raw(tmp_path):
         ("float32", 2, "ipc"),
     ]
     for run in report["runs"]:
-        spec = BatchSpec(batch_size=2, image_dtype=run["dtype"])
+        schema = image_schema(batch_size=2, dtype=run["dtype"])
         count = run["batches_per_measurement"]
         assert len(run["raw"]["samples"]) == len(run["stagefeed"]["samples"]) == 2
         for raw, fed in zip(run["raw"]["samples"], run["stagefeed"]["samples"], strict=True):
             assert raw["messages"] == fed["batches"] == count >= 3
-            assert fed["bytes"] == raw["bytes"] == count * spec.batch_bytes
+            assert fed["bytes"] == raw["bytes"] == count * schema.batch_bytes
             assert fed["dropped"] == 0
             assert fed["received"] >= fed["warmup_batches"] + count
         for peer in (run["raw"], run["stagefeed"]):
@@ -68,6 +68,21 @@ def test_ingest_reports_stagefeed_next_to_raw(tmp_path):
         assert f"| {run['dtype']} |" in done.stdout
     # The peers are measured in alternating order so neither always goes first.
     assert [r["raw_first"] for r in report["runs"]] == [True, False]
+
+
+def test_trivial_model_gets_the_batch_uncast_and_the_wire_is_unchanged():
+    """A cast in the schema would convert every whole uint8 batch before the trivial model
+    reads one pixel; the delivery schema drops it and moves the same bytes and messages."""
+    from stagefeed.bench.ingest import delivery_schema, trivial_model_fn
+    from stagefeed.consumer.graph import build
+
+    schema = delivery_schema(TINY_SCHEMA)
+    assert schema["images"].cast is None and schema["images"].scale is None
+    assert schema.wire() == TINY_SCHEMA.wire() and schema.batch_bytes == TINY_SCHEMA.batch_bytes
+    feed = build(schema, 2, 1, "/cpu:0", trivial_model_fn)
+    whole = list(schema.batch_shape(schema["images"]))
+    casts = [op for op in feed.graph.get_operations() if op.type == "Cast"]
+    assert casts and all(op.outputs[0].shape.as_list() != whole for op in casts)
 
 
 def test_bad_ingest_flags_name_the_value():

@@ -10,10 +10,15 @@ import json
 import math
 import os
 import signal
+import threading
+import time
 
 import psutil
 import pytest
 from stagefeed.bench.config import STEP_MODES, StepsConfig
+from stagefeed.bench.cpu import process_cpu_s, threads_cpu_s
+from stagefeed.bench.liveness import pool_check
+from stagefeed.common.errors import BrokenError, ClosedError
 
 from tests.conftest import run_cli, wait_for
 
@@ -116,3 +121,58 @@ def test_blocks_split_the_timed_steps_into_rounds():
     assert StepsConfig(steps=5).blocks() == [1, 1, 1, 1, 1]  # default: one step per block
     assert StepsConfig(steps=5, rounds=2).blocks() == [3, 2]
     assert StepsConfig(steps=5, rounds=5).round_count == 5
+
+
+class _Pool:
+    """What ``pool_check`` reads of a ``ProducerPool``: live processes, and ``wait`` raising
+    for a failed one."""
+
+    def __init__(self, alive: int, failed: str = "") -> None:
+        self.live, self.failed = alive, failed
+
+    def alive(self) -> int:
+        return self.live
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        if self.failed:
+            raise BrokenError(f"producer processes failed: {self.failed}")
+        return self.live == 0
+
+
+def test_pool_check_passes_while_any_producer_lives():
+    pool_check(_Pool(alive=1))()
+    pool_check(_Pool(alive=2), ClosedError)()
+
+
+def test_pool_check_says_how_the_producers_ended():
+    with pytest.raises(BrokenError, match="all producers ended"):
+        pool_check(_Pool(alive=0))()
+    with pytest.raises(ClosedError, match="all producers ended"):
+        pool_check(_Pool(alive=0), ClosedError)()
+    # A failure is a failure even where a clean end is not one (the launcher's ClosedError).
+    with pytest.raises(BrokenError, match="stagefeed-producer-0 \\(exit 3\\)"):
+        pool_check(_Pool(alive=0, failed="stagefeed-producer-0 (exit 3)"), ClosedError)()
+
+
+def test_cpu_seconds_of_a_process_and_of_named_threads():
+    release = threading.Event()
+
+    def spin() -> None:
+        while time.thread_time() < 0.2:
+            pass
+        release.wait(30)
+
+    thread = threading.Thread(target=spin, name="bench-test-spin")
+    thread.start()
+    deadline = time.monotonic() + 30
+    try:
+        while (threads_cpu_s(("bench-test-spin",)) or 0.0) < 0.15:
+            assert time.monotonic() < deadline, "the spinning thread got no CPU time"
+            time.sleep(0.02)
+        assert threads_cpu_s(("bench-test-spin",)) >= 0.15
+        assert threads_cpu_s(("no-such-thread",)) == 0.0
+    finally:
+        release.set()
+        thread.join()
+    assert process_cpu_s() >= 0.15
+    assert process_cpu_s(2**22 + 1) is None  # above Linux's pid_max: no such process
