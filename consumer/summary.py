@@ -54,6 +54,8 @@ def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, A
             "seq_missing": totals["seq_missing"],
         },
         "dropped_by_reason": trainer.ledger.drops_by_reason(),
+        "refused_producers": trainer.ledger.refusals(),
+        "data_ended": trainer.data_ended,
         "connections": trainer.ledger.peer_events(),
         "producers": trainer.ledger.summary(),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -79,7 +81,8 @@ def format_text(summary: dict[str, Any]) -> str:
         f"{s['recv_threads']} enqueue threads, "
         f"queue {s['queue_capacity']} batches, staging depth {s['stage_depth']}",
         f"  steps {s['steps']} timed (+{s['warmup_steps']} warm-up)"
-        + (" - interrupted" if s["interrupted"] else ""),
+        + (" - interrupted" if s["interrupted"] else "")
+        + (" - every producer's data ended" if s.get("data_ended") else ""),
         f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",
         f"  images/s {s['images_per_s']}  received {s['received_mb_per_s']} MiB/s  "
         f"stall {s['stall_pct']}%",
@@ -92,6 +95,9 @@ def format_text(summary: dict[str, Any]) -> str:
     if s["dropped_by_reason"]:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
         lines.append(f"  dropped by reason: {reasons}")
+    for name, reasons in sorted(s.get("refused_producers", {}).items()):
+        why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+        lines.append(f"  refused producer {name}: {why}")
     if s.get("connections"):
         events = ", ".join(f"{k} {v}" for k, v in sorted(s["connections"].items()))
         lines.append(f"  connections: {events}")
