@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from stagefeed.common import protocol
@@ -48,3 +51,11 @@ def test_message_bytes_counts_the_header_exactly():
     arrays = [(n, np.zeros(s, d)) for n, d, s in schema.wire()]
     frames = protocol.encode_batch(2**63 - 1, arrays)
     assert message_bytes(schema) == sum(memoryview(f).nbytes for f in frames)
+
+
+def test_the_producer_never_imports_tensorflow():
+    code = (
+        "import sys; import stagefeed.producer.pool, stagefeed.producer.worker; "
+        "sys.exit('tensorflow' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
