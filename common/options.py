@@ -9,6 +9,7 @@ import dataclasses
 import re
 
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.protocol import MAX_HEADER_BYTES as HEADER
 from stagefeed.common.schema import DEFAULT_SCHEMA, Schema
 
 _ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
@@ -126,10 +127,10 @@ class TrainerOptions:
                 f"queue_mb={self.queue_mb} holds no batch of "
                 f"{self.schema.batch_bytes / MIB:.1f} MiB"
             )
-        if self.max_message_mb and self.max_message_mb * MIB < self.schema.batch_bytes:
+        if self.max_message_mb and self.max_message_mb * MIB < self.schema.batch_bytes + HEADER:
             raise ConfigError(
-                f"max_message_mb={self.max_message_mb} is smaller than one batch "
-                f"({self.schema.batch_bytes / MIB:.1f} MiB)"
+                f"max_message_mb={self.max_message_mb} is smaller than one batch and its header "
+                f"({(self.schema.batch_bytes + HEADER) / MIB:.3f} MiB)"
             )
 
     @property

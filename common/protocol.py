@@ -144,6 +144,8 @@ def decode_header(raw: Any, kinds: frozenset[str]) -> dict[str, Any]:
             raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")
         if key in _INT_RANGE and not _INT_RANGE[key][0] <= value < _INT_RANGE[key][1]:
             raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")
+        if isinstance(value, str) and len(value) > MAX_DETAIL_LEN:
+            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {len(value)} characters")
     return header
 
 

@@ -274,6 +274,9 @@ class Intake:
         conn = self._conns.get(routing_id)
         if conn is None:
             detail = "this connection has not said hello (trainer restarted?)"
+            if kind == "batch":  # the producer can count exactly what was lost
+                self._reply(router, routing_id, "dropped", seq=header["seq"],
+                            reason=DropReason.NO_HELLO.value, detail=detail)  # fmt: skip
             self._reply(router, routing_id, "refused", reason="no_hello", detail=detail)
             raise ProtocolError(DropReason.NO_HELLO, f"{kind} before hello")
         self._conns.seen(conn)
