@@ -242,7 +242,7 @@ class Schema:
         specs = []
         fields = {f.name for f in dataclasses.fields(ArraySpec)}
         for entry in arrays:
-            if not isinstance(entry, Mapping) or not set(entry) <= fields or "name" not in entry:
+            if not isinstance(entry, Mapping) or not {"name", "dtype"} <= set(entry) <= fields:
                 raise ConfigError(
                     f"{source}: each array is a table with keys among {sorted(fields)}, "
                     f"got {excerpt(entry)}"
@@ -366,7 +366,12 @@ def load_schema(ref: str) -> Schema:
     if re.fullmatch(r"[\w.]+:\w+", ref):
         value = import_ref(ref, "--schema")
         if callable(value) and not isinstance(value, Schema):
-            value = value()
+            try:
+                value = value()
+            except Exception as exc:  # noqa: BLE001 - user code may raise anything
+                raise ConfigError(
+                    f"--schema {ref!r} raised {type(exc).__name__}: {str(exc)[:200]}"
+                ) from None
         if not isinstance(value, Schema):
             raise ConfigError(f"--schema {ref!r} is a {type(value).__name__}, not a Schema")
         return value

@@ -9,7 +9,7 @@ Invariants (the intake thread is the only caller; nothing here is thread-safe):
     granted and not yet used (``outstanding``), or used by a batch the trainer still handles
     (``in_hand``); ``finished`` returns it to the pool.
   - no connection holds more than ``per_peer`` credits (outstanding + in hand), and grants go
-    round-robin over the connections below that, so a fast producer cannot starve the others.
+    to the connections holding least first, so a fast producer cannot starve the others.
   - a connection silent for ``timeout_s`` is forgotten and its outstanding credit returns;
     credit in hand returns when those batches finish, even after the connection is gone.
 """
@@ -93,13 +93,14 @@ class Connections:
             self.available += 1
 
     def grants(self) -> list[tuple[Connection, int]]:
-        """Hand out free credit, one at a time round-robin; (connection, n) to send."""
+        """Hand out free credit one at a time, least-holding connection first; (connection, n)."""
         granted: collections.Counter[bytes] = collections.Counter()
         while self.available > 0:
-            wanting = [
-                c for c in self._live.values()
-                if not c.ended and c.outstanding + c.in_hand < self.per_peer
-            ]  # fmt: skip
+            wanting = sorted(
+                (c for c in self._live.values()
+                 if not c.ended and c.outstanding + c.in_hand < self.per_peer),
+                key=lambda c: c.outstanding + c.in_hand,
+            )  # fmt: skip
             if not wanting:
                 break
             for conn in wanting:

@@ -68,6 +68,7 @@ class FeedGraph:
     put: tf.Operation
     staged_size: tf.Tensor
     step: tf.Operation  # train op grouped with the next put
+    train_only: tf.Operation  # the train op alone: drains the staging area at end of data
     loss: tf.Tensor
     trained_peer: tf.Tensor
     trained_seq: tf.Tensor
@@ -166,6 +167,7 @@ def build(
         put=put,
         staged_size=staged_size,
         step=step,
+        train_only=train,
         loss=loss,
         trained_peer=peer,
         trained_seq=seq,

@@ -106,6 +106,8 @@ class Intake:
         self._credit_addr = f"inproc://stagefeed-credit-{id(self)}"
         self._last_internal_log = -1e9
         self._ipc_file: IpcFile | None = None
+        self._any_ended = False
+        self._data_ended = threading.Event()
         self._closed = False
         self.endpoint = ""
 
@@ -212,6 +214,7 @@ class Intake:
                     next_expiry = time.monotonic() + EXPIRE_EVERY_S
                     self._expire()
                 self._send_grants(router)
+                self._update_data_ended()
             for conn in self._conns.live():
                 self._reply(router, conn.routing_id, "bye")
         finally:
@@ -279,6 +282,7 @@ class Intake:
         elif kind == "end":
             self._ledger.ended(conn.index, header["seq"])
             self._conns.end(conn)
+            self._any_ended = True
 
     def _on_hello(
         self, router: zmq.Socket, routing_id: bytes, header: dict, user_id: str | None
@@ -336,6 +340,24 @@ class Intake:
         self._reply(
             router, conn.routing_id, "dropped", seq=seq, reason=reason.value, detail=detail
         )
+
+    def data_ended(self) -> bool:
+        """True once a producer signalled end of data, every live one has, and every batch
+        received has left the intake (enqueued or dropped).
+        """
+        return self._data_ended.is_set()
+
+    def _update_data_ended(self) -> None:
+        live = self._conns.live()
+        ended = (
+            self._any_ended
+            and all(c.ended for c in live)
+            and self._conns.available == self.credit_pool
+        )
+        if ended:
+            self._data_ended.set()
+        else:
+            self._data_ended.clear()
 
     def _expire(self) -> None:
         for conn in self._conns.expire():

@@ -70,6 +70,7 @@ class Trainer:
         self.steps_done = 0
         self.loss_first: float | None = None
         self.loss_finite = True
+        self.data_ended = False  # every producer signalled end of data, all of it trained
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_RECORDS)
         self.device = ""
         self.endpoint = ""
@@ -119,25 +120,31 @@ class Trainer:
         assert feed is not None and self._intake is not None
         checks = [self._intake.check] + ([health_check] if health_check else [])
         for _ in range(self.options.stage_depth):
-            self._wait_for_batch(stop, checks)
+            if not self._wait_for_batch(stop, checks):
+                break
             self.session.run(feed.put)
             self.consumed += 1
-        log.info("staging area primed with %d batches", self.options.stage_depth)
+        log.info("staging area primed with %d batches", self.consumed)
         warmup, steps = self.options.warmup_steps, self.options.steps
         step = 0
         while not stop.is_set() and (steps == 0 or step < warmup + steps):
             queued = self.queue_batches
             started = time.monotonic()
             try:
-                self._wait_for_batch(stop, checks)
+                more = self._wait_for_batch(stop, checks)
             except ClosedError:
                 break
+            if not more and self.consumed == self.steps_done:
+                self.data_ended = True
+                log.info("every producer's data ended and every batch was trained")
+                break
             ready = time.monotonic()
-            loss, peer, seq, _ = self.session.run(
-                [feed.loss, feed.trained_peer, feed.trained_seq, feed.step]
-            )
+            # At the end of data, the staged batches are trained without a put behind them.
+            op = feed.step if more else feed.train_only
+            fetches = [feed.loss, feed.trained_peer, feed.trained_seq, op]
+            loss, peer, seq, _ = self.session.run(fetches)
             done = time.monotonic()
-            self.consumed += 1
+            self.consumed += more
             step += 1
             self.steps_done = step
             self.ledger.trained([peer], [seq])
@@ -154,13 +161,16 @@ class Trainer:
                 observer.on_step(record, self)
         return list(self.records)
 
-    def _wait_for_batch(self, stop: threading.Event, checks: list[Callable[[], None]]) -> None:
+    def _wait_for_batch(self, stop: threading.Event, checks: list[Callable[[], None]]) -> bool:
+        """True once a batch is queued; False when the data ended with none left to queue."""
         need = self.consumed + 1
         began = last_said = time.monotonic()
         assert self._intake is not None
         while not self._intake.availability.wait_for(need, WAIT_SLICE_S):
             if stop.is_set():
                 raise ClosedError("stop requested while waiting for data")
+            if self._intake.data_ended() and self._intake.availability.enqueued < need:
+                return False
             for check in checks:
                 check()
             now = time.monotonic()
@@ -172,6 +182,7 @@ class Trainer:
                     self.ledger.producer_count(),
                     self.endpoint,
                 )
+        return True
 
     def close(self) -> None:
         """Idempotent: close the queue (unblocks enqueues), stop threads, close the session."""

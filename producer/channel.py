@@ -1,10 +1,11 @@
 """A producer's channel to the trainer: one DEALER socket in its own thread, protocol v2.
 
 ``TrainerChannel`` is the producer main loop's side; ``producer.link.Link`` is the thread that
-owns the socket (see there for the conversation itself: hello/welcome on every connection,
-credit, pings, verdicts). The two talk through queues only, and every error of the thread is
-carried through the event queue and re-raised by the next call here (torchdata style), so
-no failure is lost or read from a shared attribute.
+owns the socket, and ``producer.session.Session`` the conversation itself (hello/welcome on
+every connection, credit, pings, verdicts, bye). The two threads talk through the queues of
+``producer.handoff`` only. Every error of the thread travels in the event queue and is
+re-raised by the next call here that acts (torchdata style): no failure is lost, none is
+read from a shared attribute.
 
 Lifecycle: ``open(stop)`` starts the thread and waits for the first welcome (the agreed schema
 and ``max_unsent``); then ``send(arrays, seq, stop)`` any number of times; then either
@@ -42,12 +43,11 @@ from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, ProtocolError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.schema import Schema
-from stagefeed.producer.link import (
+from stagefeed.producer.handoff import (
     Drained,
     Dropped,
     Failed,
     Finish,
-    Link,
     Outgoing,
     Released,
     Sent,
@@ -55,6 +55,7 @@ from stagefeed.producer.link import (
     Welcome,
     Welcomed,
 )
+from stagefeed.producer.link import Link
 
 log = logging.getLogger(__name__)
 

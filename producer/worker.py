@@ -191,14 +191,16 @@ def _finish(channel: TrainerChannel, name: str, count: int, stop: Any) -> None:
     started = time.monotonic()
     drained = channel.finish(count, stop, FLUSH_TIMEOUT_S)
     linger_s = max(0.0, FLUSH_TIMEOUT_S - (time.monotonic() - started))
-    log.info(
+    refused = sum(channel.refused().values())
+    log.log(
+        logging.WARNING if refused else logging.INFO,
         "producer %s finished: %d batches (%s); %s; delivering the last %d (up to %.0f s)",
         name,
         count,
         _seq_range(count),
         _refused_text(channel),
         channel.in_zeromq(),
-        FLUSH_TIMEOUT_S,
+        linger_s,
     )
     if drained.unsent:
         log.warning(

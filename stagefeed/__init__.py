@@ -1,7 +1,73 @@
-"""stagefeed: feed a TensorFlow trainer from Python producer processes over ZeroMQ.
+"""stagefeed: feed a TensorFlow trainer from Python producer processes.
 
-Top layer: the command line and the launcher. Imports ``producer`` and ``consumer``; nothing
-below imports it.
+The public API is what ``__all__`` lists; every other module is internal. Producers import
+this package without TensorFlow: the trainer-side names (``Trainer``) are loaded on first
+use (PEP 562), and only they import TensorFlow.
+
+Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
+``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
+(``stagefeed.cli``, ``stagefeed.launcher``) and ``stagefeed.bench``.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from stagefeed.common.errors import (
+    BrokenError,
+    ClosedError,
+    ConfigError,
+    DropReason,
+    ProtocolError,
+    StagefeedError,
+)
+from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.schema import (
+    DEFAULT_SCHEMA,
+    ArraySpec,
+    Schema,
+    SchemaMismatch,
+    image_schema,
+    load_schema,
+)
+
+__version__ = "0.2.0"
+
+# Trainer-side names: imported (with TensorFlow) only when first used.
+_LAZY = {
+    "Trainer": "stagefeed.consumer.trainer",
+}
+
+__all__ = [
+    "ArraySpec",
+    "BrokenError",
+    "ClosedError",
+    "ConfigError",
+    "DEFAULT_SCHEMA",
+    "DropReason",
+    "ProducerOptions",
+    "ProtocolError",
+    "Schema",
+    "SchemaMismatch",
+    "StagefeedError",
+    "Trainer",
+    "TrainerOptions",
+    "__version__",
+    "image_schema",
+    "load_schema",
+]
+assert __all__ == sorted(__all__), "keep __all__ sorted"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stagefeed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,7 +8,7 @@ import threading
 import pytest
 from stagefeed.common.errors import DropReason
 from stagefeed.common.options import TrainerOptions
-from stagefeed.common.spec import BatchSpec
+from stagefeed.common.schema import image_schema
 from stagefeed.consumer.figures import (
     ProducerTotals,
     Snapshot,
@@ -20,7 +20,7 @@ from stagefeed.consumer.figures import (
 )
 from stagefeed.consumer.trainer import StepRecord, Trainer
 
-SPEC = BatchSpec(batch_size=2)
+SPEC = image_schema(batch_size=2)
 
 
 def record(step: int, wait_s: float, step_s: float, queue: int, loss: float = 6.9) -> StepRecord:
@@ -113,7 +113,7 @@ def test_window_without_steps_has_no_step_figures() -> None:
 
 
 def test_snapshot_reads_a_trainers_books() -> None:
-    options = TrainerOptions(bind="tcp://127.0.0.1:*", spec=SPEC, queue_mb=3)  # 2 batches
+    options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, queue_mb=3)  # 2 batches
     trainer = Trainer(options)  # not started: its ledger and counts are real, no session
     assert options.queue_capacity == 2
     ledger = trainer.ledger

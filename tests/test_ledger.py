@@ -1,22 +1,23 @@
-"""Ledger: every message received is trained, queued at stop, or dropped with a reason."""
+"""Ledger: books per connection; every batch is trained, queued at stop, or dropped."""
 
 from __future__ import annotations
 
 import threading
 
 from stagefeed.common.errors import DropReason
-from stagefeed.common.ledger import UNIDENTIFIED, Ledger
+from stagefeed.common.ledger import MAX_SEQ_AHEAD, UNIDENTIFIED, Ledger
 
 
 def test_accept_enqueue_train_accounting():
     ledger = Ledger()
-    a = ledger.accept("a", 0, 100)
-    b = ledger.accept("b", 0, 100)
+    a, b = ledger.open("a"), ledger.open("b")
     assert (a, b) == (0, 1)
-    assert ledger.accept("a", 1, 100) == 0
-    for index in (0, 1, 0):
+    assert ledger.accept(a, 0, 100) is None
+    assert ledger.accept(b, 0, 100) is None
+    assert ledger.accept(a, 1, 100) is None
+    for index in (a, b, a):
         ledger.enqueued(index)
-    ledger.trained([0, 1], [0, 0])
+    ledger.trained([a, b], [0, 0])
     summary = ledger.summary()
     assert summary["a"]["received"] == 2 and summary["a"]["trained"] == 1
     assert summary["a"]["queued_at_stop"] == 1
@@ -24,53 +25,76 @@ def test_accept_enqueue_train_accounting():
     assert ledger.totals()["received_bytes"] == 300
 
 
-def test_duplicate_is_dropped_under_its_producer():
+def test_duplicate_is_dropped_under_its_connection():
     ledger = Ledger()
-    ledger.accept("a", 5, 1)
-    assert ledger.accept("a", 5, 1) is None
+    a = ledger.open("a")
+    ledger.accept(a, 5, 1)
+    assert ledger.accept(a, 5, 1) == DropReason.DUPLICATE
     assert ledger.summary()["a"]["dropped"] == {"duplicate": 1}
     assert ledger.drops_by_reason() == {"duplicate": 1}
 
 
-def test_drops_from_unknown_producers_do_not_grow_the_ledger():
+def test_a_sequence_number_far_ahead_is_refused_and_does_not_move_the_window():
     ledger = Ledger()
-    for i in range(1000):
-        ledger.drop(DropReason.LABEL_RANGE, "bad", producer=f"hostile-{i}")
+    a = ledger.open("a")
+    assert ledger.accept(a, 0, 1) is None
+    assert ledger.accept(a, 2**63 - 1, 1) == DropReason.SEQ_RANGE
+    assert ledger.accept(a, MAX_SEQ_AHEAD + 1, 1) == DropReason.SEQ_RANGE
+    assert ledger.accept(a, 1, 1) is None  # the window did not move
+    summary = ledger.summary()["a"]
+    assert summary["seq_last"] == 1 and summary["seq_missing"] == 0
+    assert summary["dropped"] == {"seq_range": 2}
+
+
+def test_two_connections_with_one_name_keep_separate_books():
+    ledger = Ledger()
+    first, second = ledger.open("p"), ledger.open("p")
+    ledger.accept(first, 0, 1)
+    assert ledger.accept(second, 0, 1) is None  # not a duplicate: another connection
+    summary = ledger.summary()
+    assert set(summary) == {f"p#{first}", f"p#{second}"}
+
+
+def test_drops_without_a_connection_do_not_grow_the_ledger():
+    ledger = Ledger()
+    for _ in range(1000):
+        ledger.drop(DropReason.NO_HELLO, "bad")
     summary = ledger.summary()
     assert list(summary) == [UNIDENTIFIED]
-    assert summary[UNIDENTIFIED]["dropped"] == {"label_range": 1000}
+    assert summary[UNIDENTIFIED]["dropped"] == {"no_hello": 1000}
 
 
-def test_producer_limit_drops_new_ids():
-    ledger = Ledger(max_producers=2)
-    assert ledger.accept("a", 0, 1) == 0
-    assert ledger.accept("b", 0, 1) == 1
-    assert ledger.accept("c", 0, 1) is None
-    assert ledger.drops_by_reason() == {"producer_limit": 1}
-    assert ledger.producer_count() == 2
+def test_idle_connections_are_forgotten_and_the_books_are_bounded():
+    ledger = Ledger(max_entries=3)
+    indices = [ledger.open(f"p{i}") for i in range(3)]
+    assert ledger.open("p3") is None  # full
+    ledger.accept(indices[0], 0, 1)
+    assert not ledger.forget_if_idle(indices[0])  # it delivered: kept
+    assert ledger.forget_if_idle(indices[1])
+    assert ledger.open("p4") is not None
+    assert ledger.drops_by_reason() == {"peer_limit": 1}
 
 
-def test_trained_duplicates_are_detected():
+def test_refused_hellos_are_counted_by_declared_name_within_a_bound():
     ledger = Ledger()
-    ledger.accept("a", 0, 1)
-    ledger.trained([0, 0], [0, 0])
-    assert ledger.summary()["a"]["trained_duplicates"] == 1
+    for i in range(300):
+        ledger.refused(f"p{i}", "spec_mismatch", "images: ...")
+    refusals = ledger.refusals()
+    assert len(refusals) <= 257 and refusals["p0"] == {"spec_mismatch": 1}
+    assert sum(c["spec_mismatch"] for c in refusals.values()) == 300
 
 
-def test_concurrent_accepts_are_all_counted():
-    """Four threads, each one message behind or ahead of the others, as receive threads are."""
+def test_concurrent_accepts_are_all_booked():
     ledger = Ledger()
-    barrier = threading.Barrier(4)
+    indices = [ledger.open(f"p{t}") for t in range(4)]
 
-    def worker(offset):
-        for seq in range(offset, 4000, 4):
-            barrier.wait()
-            ledger.accept("a", seq, 1)
+    def work(index: int) -> None:
+        for seq in range(500):
+            ledger.accept(index, seq, 10)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=work, args=(i,)) for i in indices]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert ledger.summary()["a"]["received"] == 4000
-    assert ledger.summary()["a"]["seq_missing"] == 0
+    assert ledger.totals()["received"] == 2000

@@ -12,14 +12,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
-from stagefeed.common.spec import BatchSpec
+from stagefeed.common.schema import image_schema
 from stagefeed.consumer.figures import StepCounters, take_snapshot
 from stagefeed.consumer.metrics_http import MetricsServer
 from stagefeed.consumer.trainer import StepRecord, Trainer
 
 from tests.conftest import TINY, cli_env, free_tcp_port, run_cli, wait_for
 
-SPEC = BatchSpec(batch_size=2)
+SPEC = image_schema(batch_size=2)
 
 
 def scrape(address: str) -> dict[tuple[str, tuple], float]:
@@ -115,7 +115,7 @@ def test_endpoint_moves_while_a_real_trainer_trains(start_cli, tmp_path) -> None
 
 
 def _served(port: int = 0) -> tuple[MetricsServer, Trainer, StepCounters]:
-    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", spec=SPEC, queue_mb=24))
+    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, queue_mb=24))
     counters = StepCounters(trainer.options.queue_capacity)
     server = MetricsServer(lambda: take_snapshot(counters, trainer), trainer, "127.0.0.1", port)
     return server.start(), trainer, counters

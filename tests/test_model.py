@@ -61,8 +61,34 @@ def test_one_step_runs_and_the_loss_is_finite():
 
 
 def test_uint8_images_are_scaled_to_unit_range():
-    x = tf.constant([[0, 255]], dtype=tf.uint8)
-    assert model.to_float_images(x).numpy().tolist() == [[0.0, 1.0]]
+    from stagefeed.common.schema import image_schema
+    from stagefeed.consumer.graph import cast_on_device
+
+    schema = image_schema(batch_size=1, dtype="uint8")
+    staged = {"images": tf.constant([[0, 255]], dtype=tf.uint8), "labels": tf.constant([1])}
+    assert cast_on_device(staged, schema)["images"].numpy().tolist() == [[0.0, 1.0]]
+
+
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ("three", "images"),
+        ("small", "194x194"),
+        ("unbounded", "bounds"),
+    ],
+)
+def test_alexnet_refuses_a_schema_it_cannot_train_naming_why(schema, named):
+    from stagefeed.common.schema import ArraySpec, Schema, image_schema
+
+    schemas = {
+        "three": Schema((ArraySpec("features", "float32", (32,)),), 4),
+        "small": image_schema(batch_size=2, image_size=194),
+        "unbounded": Schema(
+            (ArraySpec("images", "float32", (227, 227, 3)), ArraySpec("labels", "int32")), 2
+        ),
+    }
+    with pytest.raises(ConfigError, match=named):
+        model.check_schema(schemas[schema])
 
 
 def test_too_small_images_fail_naming_the_size():

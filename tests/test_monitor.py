@@ -14,13 +14,13 @@ import time
 import pytest
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
-from stagefeed.common.spec import BatchSpec
+from stagefeed.common.schema import image_schema
 from stagefeed.consumer.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
 from stagefeed.consumer.trainer import StepRecord, Trainer
 
 from tests.figures_util import window
 
-SPEC = BatchSpec(batch_size=2)
+SPEC = image_schema(batch_size=2)
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,7 @@ def test_bad_options_name_the_value(field: str, value: object) -> None:
 
 
 def _trainer() -> Trainer:
-    return Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", spec=SPEC, steps=3, warmup_steps=2))
+    return Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, steps=3, warmup_steps=2))
 
 
 def _steps(monitor: Monitor, trainer: Trainer, specs: list[tuple[bool, float, float]]) -> None:

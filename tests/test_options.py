@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import ProducerOptions, TrainerOptions
-from stagefeed.common.spec import BatchSpec
+from stagefeed.common.schema import image_schema
 
 
 @pytest.mark.parametrize(
@@ -13,13 +13,13 @@ from stagefeed.common.spec import BatchSpec
     [
         ({"batch_size": 0}, "batch_size"),
         ({"batch_size": 2.5}, "batch_size"),
-        ({"image_dtype": "float64"}, "float64"),
+        ({"dtype": "float64"}, "float64"),
         ({"num_classes": -3}, "num_classes"),
     ],
 )
 def test_bad_spec_names_the_value(kwargs, named):
     with pytest.raises(ConfigError, match=named):
-        BatchSpec(**kwargs)
+        image_schema(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -55,10 +55,10 @@ def test_bad_trainer_option_names_the_value(kwargs, named):
 
 
 def test_byte_budgets_derive_message_counts():
-    spec = BatchSpec()  # 158.9 MB float32 batch
-    assert ProducerOptions(spec=spec, inflight_mb=512).max_unsent == 3
-    assert ProducerOptions(spec=spec, inflight_mb=1).max_unsent == 1
-    assert TrainerOptions(spec=spec, queue_mb=2048).queue_capacity == 13
-    small = BatchSpec(batch_size=256, image_dtype="uint8")
-    assert TrainerOptions(spec=small, queue_mb=2048).queue_capacity == 54
-    assert TrainerOptions(spec=spec).max_message_bytes == spec.batch_bytes + 2**20
+    spec = image_schema()  # 158.9 MB float32 batch
+    assert ProducerOptions(inflight_mb=512).max_unsent(spec) == 3
+    assert ProducerOptions(inflight_mb=1).max_unsent(spec) == 1
+    assert TrainerOptions(schema=spec, queue_mb=2048).queue_capacity == 13
+    small = image_schema(batch_size=256, dtype="uint8")
+    assert TrainerOptions(schema=small, queue_mb=2048).queue_capacity == 54
+    assert TrainerOptions(schema=spec).max_message_bytes == spec.batch_bytes + 2**20

@@ -176,3 +176,16 @@ def test_a_refused_handshake_is_broken(channels):
     refused = pytest.raises(BrokenError, match="refused the handshake .*check --curve-keys")
     with StandInTrainer(SMALL) as trainer, refused:  # plain text: CURVE mechanism mismatch
         channels(trainer.endpoint, SMALL, configure=configure).open(NEVER)
+
+
+def test_a_batch_dropped_for_no_hello_is_counted_and_hello_follows(channels):
+    with StandInTrainer(SMALL, credit=1) as trainer:
+        channel = channels(trainer.endpoint, SMALL)
+        channel.open(NEVER)
+        trainer.forget()
+        time.sleep(0.2)
+        channel.send(batch(SMALL, 0), 0, NEVER)  # reaches a trainer that forgot us: dropped
+        assert wait_for(lambda: len(trainer.hellos) == 2, 5)
+        channel.send(batch(SMALL, 1), 1, NEVER)  # against the new welcome's credit
+        assert wait_for(lambda: trainer.seqs() == [1], 5)
+        assert channel.refused() == {"no_hello": 1}

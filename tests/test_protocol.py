@@ -7,20 +7,26 @@ import numpy as np
 import pytest
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason, ProtocolError
-from stagefeed.common.spec import ALLOWED_DTYPES, BatchSpec
+from stagefeed.common.schema import ALLOWED_DTYPES, image_schema
 
 
-def _frames(arrays, producer="p-1", seq=7):
+def _frames(arrays, seq=7):
     """Encoded frames as received: each turned into its own bytes object."""
-    return [bytes(f) for f in protocol.encode(producer, seq, arrays)]
+    return [bytes(f) for f in protocol.encode_batch(seq, arrays)]
+
+
+def _decode(frames):
+    """What the intake does with a batch message: the header, then the arrays."""
+    header = protocol.decode_header(frames[0], protocol.FROM_PRODUCER)
+    return protocol.decode_batch(header, frames)
 
 
 @pytest.mark.parametrize("dtype", sorted(ALLOWED_DTYPES))
 def test_round_trip_every_allowed_dtype(dtype):
     rng = np.random.default_rng(0)
     array = (rng.random((3, 4, 5)) * 100).astype(np.dtype(dtype))
-    batch = protocol.decode(_frames([("x", array)]))
-    assert batch.producer == "p-1" and batch.seq == 7
+    batch = _decode(_frames([("x", array)]))
+    assert batch.seq == 7
     assert batch.arrays["x"].dtype == array.dtype
     np.testing.assert_array_equal(batch.arrays["x"], array)
     assert batch.nbytes == array.nbytes
@@ -28,14 +34,14 @@ def test_round_trip_every_allowed_dtype(dtype):
 
 def test_encode_is_zero_copy():
     array = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-    frames = protocol.encode("p", 0, [("x", array)])
+    frames = protocol.encode_batch(0, [("x", array)])
     assert np.frombuffer(frames[1], dtype=np.uint8).ctypes.data == array.ctypes.data
 
 
 def test_decode_is_zero_copy_over_the_received_frame():
     array = np.arange(24, dtype=np.int32)
     frames = _frames([("x", array)])
-    batch = protocol.decode(frames)
+    batch = _decode(frames)
     frame_address = np.frombuffer(frames[1], dtype=np.uint8).ctypes.data
     assert batch.arrays["x"].ctypes.data == frame_address
     assert not batch.arrays["x"].flags.writeable
@@ -44,25 +50,36 @@ def test_decode_is_zero_copy_over_the_received_frame():
 def test_decode_accepts_zmq_frames_without_copy():
     zmq = pytest.importorskip("zmq")
     array = np.arange(1000, dtype=np.float32)
-    frames = [zmq.Frame(bytes(f)) for f in protocol.encode("p", 1, [("x", array)])]
-    batch = protocol.decode(frames)
+    frames = [zmq.Frame(bytes(f)) for f in protocol.encode_batch(1, [("x", array)])]
+    batch = _decode(frames)
     assert batch.arrays["x"].ctypes.data == np.frombuffer(frames[1].buffer, np.uint8).ctypes.data
     np.testing.assert_array_equal(batch.arrays["x"], array)
 
 
 def _header(**fields):
-    base = {"v": 1, "producer": "p", "seq": 0, "arrays": [["x", "<f4", [2]]]}
+    base = {"v": 2, "t": "batch", "seq": 0, "arrays": [["x", "<f4", [2]]]}
     base.update(fields)
     return msgpack.packb(base)
 
 
 EIGHT_BYTES = b"\0" * 8
 
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
 REJECTED = {
-    "one part": ([b"only"], DropReason.PARTS),
+    "header only": ([_header()], DropReason.PARTS),
     "too many parts": ([_header()] + [EIGHT_BYTES] * 20, DropReason.PARTS),
+    "too many arrays declared": (
+        [_header(arrays=[[f"x{i}", "<f4", [2]] for i in range(17)])] + [EIGHT_BYTES] * 17,
+        DropReason.PARTS,
+    ),
     "declared vs sent": ([_header(), EIGHT_BYTES, EIGHT_BYTES], DropReason.PARTS),
-    "header too big": ([b"\x90" * 5000, EIGHT_BYTES], DropReason.HEADER_SIZE),
+    "header too big": ([b"\x90" * 17000, EIGHT_BYTES], DropReason.HEADER_SIZE),
     "garbage header": ([b"\xc1\xc1\xc1", EIGHT_BYTES], DropReason.HEADER_NOT_MSGPACK),
     "trailing bytes": ([_header() + b"\x00", EIGHT_BYTES], DropReason.HEADER_NOT_MSGPACK),
     "ext type": (
@@ -70,11 +87,17 @@ REJECTED = {
         DropReason.HEADER_NOT_MSGPACK,
     ),
     "header is a list": ([msgpack.packb([1, 2]), EIGHT_BYTES], DropReason.HEADER_NOT_MAP),
-    "unknown version": ([_header(v=2), EIGHT_BYTES], DropReason.VERSION),
+    "unknown version": ([_header(v=1), EIGHT_BYTES], DropReason.VERSION),
+    "unknown kind": ([_header(t="welcome"), EIGHT_BYTES], DropReason.KIND),
+    "kind not str": ([_header(t=3), EIGHT_BYTES], DropReason.KIND),
     "missing field": (
-        [msgpack.packb({"v": 1, "producer": "p"}), EIGHT_BYTES],
+        [msgpack.packb({"v": 2, "t": "batch"}), EIGHT_BYTES],
         DropReason.HEADER_FIELDS,
     ),
+    "seq too big": ([_header(seq=2**63), EIGHT_BYTES], DropReason.HEADER_FIELDS),
+    "deep nesting": ([_header(arrays=_nested(1000)), EIGHT_BYTES], DropReason.HEADER_FIELDS),
+    "name too long": ([_header(arrays=[["x" * 65, "<f4", [2]]]), EIGHT_BYTES],
+                      DropReason.HEADER_FIELDS),
     "extra field": ([_header(extra=1), EIGHT_BYTES], DropReason.HEADER_FIELDS),
     "seq negative": ([_header(seq=-1), EIGHT_BYTES], DropReason.HEADER_FIELDS),
     "seq not int": ([_header(seq="1"), EIGHT_BYTES], DropReason.HEADER_FIELDS),
@@ -85,9 +108,7 @@ REJECTED = {
         [_header(arrays=[["x", "<f4", [2]], ["x", "<f4", [2]]]), EIGHT_BYTES, EIGHT_BYTES],
         DropReason.HEADER_FIELDS,
     ),
-    "producer empty": ([_header(producer=""), EIGHT_BYTES], DropReason.PRODUCER_ID),
-    "producer odd chars": ([_header(producer="a b\n"), EIGHT_BYTES], DropReason.PRODUCER_ID),
-    "producer not str": ([_header(producer=5), EIGHT_BYTES], DropReason.PRODUCER_ID),
+    "producer claimed": ([_header(producer="victim-1"), EIGHT_BYTES], DropReason.HEADER_FIELDS),
     "object dtype": ([_header(arrays=[["x", "|O", [1]]]), EIGHT_BYTES], DropReason.DTYPE),
     "void dtype": ([_header(arrays=[["x", "|V8", [1]]]), EIGHT_BYTES], DropReason.DTYPE),
     "big endian": ([_header(arrays=[["x", ">f4", [2]]]), EIGHT_BYTES], DropReason.DTYPE),
@@ -95,7 +116,7 @@ REJECTED = {
     "negative dim": ([_header(arrays=[["x", "<f4", [-2]]]), EIGHT_BYTES], DropReason.SHAPE),
     "zero dim": ([_header(arrays=[["x", "<f4", [0]]]), b""], DropReason.SHAPE),
     "huge dim": ([_header(arrays=[["x", "<f4", [2**40]]]), EIGHT_BYTES], DropReason.SHAPE),
-    "too many dims": ([_header(arrays=[["x", "<f4", [1] * 9]]), EIGHT_BYTES], DropReason.SHAPE),
+    "too many dims": ([_header(arrays=[["x", "<f4", [1] * 10]]), EIGHT_BYTES], DropReason.SHAPE),
     "float dim": ([_header(arrays=[["x", "<f4", [2.0]]]), EIGHT_BYTES], DropReason.SHAPE),
     "frame too short": ([_header(arrays=[["x", "<f4", [3]]]), EIGHT_BYTES], DropReason.FRAME_SIZE),
     "frame too long": ([_header(arrays=[["x", "<f4", [1]]]), EIGHT_BYTES], DropReason.FRAME_SIZE),
@@ -106,7 +127,7 @@ REJECTED = {
 def test_malformed_message_is_rejected_with_its_reason(case):
     frames, reason = REJECTED[case]
     with pytest.raises(ProtocolError) as info:
-        protocol.decode(frames)
+        _decode(frames)
     assert info.value.reason is reason
 
 
@@ -123,10 +144,11 @@ def test_msgpack_numpy_object_payload_is_rejected_and_never_unpickled(tmp_path):
     hostile = msgpack.packb(payload, default=msgpack_numpy.encode)
     for frames in ([hostile, EIGHT_BYTES], [_header(), hostile]):
         with pytest.raises(ProtocolError) as info:
-            protocol.decode(frames)
+            _decode(frames)
         assert info.value.reason in (
             DropReason.HEADER_FIELDS,
             DropReason.HEADER_NOT_MAP,
+            DropReason.VERSION,
             DropReason.FRAME_SIZE,
         )
     assert not marker.exists()
@@ -135,46 +157,76 @@ def test_msgpack_numpy_object_payload_is_rejected_and_never_unpickled(tmp_path):
     assert marker.exists()
 
 
-SPEC = BatchSpec(batch_size=2, height=4, width=4, channels=3, num_classes=10)
+SCHEMA = image_schema(batch_size=2, image_size=4, num_classes=10)
+IMAGE_SHAPE = SCHEMA.batch_shape(SCHEMA["images"])
 
 
 def _batch(images=None, labels=None, names=("images", "labels")):
-    images = np.zeros(SPEC.image_shape, np.float32) if images is None else images
+    images = np.zeros(IMAGE_SHAPE, np.float32) if images is None else images
     labels = np.array([0, 9], np.int32) if labels is None else labels
-    return protocol.decode(_frames(list(zip(names, (images, labels), strict=True))))
+    return _decode(_frames(list(zip(names, (images, labels), strict=True))))
 
 
-def test_spec_accepts_a_matching_batch():
-    protocol.check_against_spec(_batch(), SPEC)
+def test_schema_accepts_a_matching_batch():
+    protocol.check_against_schema(_batch(), SCHEMA)
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"images": np.zeros(SPEC.image_shape, np.uint8)},
+        {"images": np.zeros(IMAGE_SHAPE, np.uint8)},
         {"images": np.zeros((3, 4, 4, 3), np.float32)},
         {"labels": np.zeros(2, np.int64)},
         {"names": ("labels", "images")},
+        {"names": ("images", "targets")},
     ],
-    ids=["dtype", "shape", "label dtype", "names"],
+    ids=["dtype", "shape", "label dtype", "order", "name not in schema"],
 )
-def test_spec_mismatch_is_rejected(kwargs):
+def test_schema_mismatch_is_rejected(kwargs):
     with pytest.raises(ProtocolError) as info:
-        protocol.check_against_spec(_batch(**kwargs), SPEC)
+        protocol.check_against_schema(_batch(**kwargs), SCHEMA)
     assert info.value.reason is DropReason.SPEC_MISMATCH
 
 
 @pytest.mark.parametrize("bad", [-1, 10, 2**31 - 1])
-def test_labels_out_of_range_are_rejected(bad):
+def test_values_out_of_bounds_are_rejected(bad):
     with pytest.raises(ProtocolError) as info:
-        protocol.check_against_spec(_batch(labels=np.array([0, bad], np.int32)), SPEC)
-    assert info.value.reason is DropReason.LABEL_RANGE
+        protocol.check_against_schema(_batch(labels=np.array([0, bad], np.int32)), SCHEMA)
+    assert info.value.reason is DropReason.VALUE_RANGE
 
 
 def test_encode_refuses_what_decode_would_reject():
     with pytest.raises(ValueError, match="not allowed"):
-        protocol.encode("p", 0, [("x", np.array([object()], dtype=object))])
+        protocol.encode_batch(0, [("x", np.array([object()], dtype=object))])
     with pytest.raises(ValueError, match="contiguous"):
-        protocol.encode("p", 0, [("x", np.zeros((4, 4), np.float32)[:, ::2])])
-    with pytest.raises(ValueError, match="producer id"):
-        protocol.encode("bad id", 0, [("x", np.zeros(2, np.float32))])
+        protocol.encode_batch(0, [("x", np.zeros((4, 4), np.float32)[:, ::2])])
+
+
+@pytest.mark.parametrize("kind", sorted(protocol.FROM_PRODUCER - {"batch"}))
+def test_control_messages_round_trip(kind):
+    fields = {
+        "hello": {"name": "p-1", "schema": SCHEMA.to_dict()},
+        "end": {"seq": 12},
+        "ping": {},
+    }[kind]
+    header = protocol.decode_header(protocol.encode_control(kind, **fields), protocol.FROM_PRODUCER)
+    assert header == {"v": 2, "t": kind, **fields}
+
+
+def test_a_hello_schema_is_parsed_and_checked():
+    raw = protocol.encode_control("hello", name="p", schema=SCHEMA.to_dict())
+    assert protocol.schema_of_hello(protocol.decode_header(raw, protocol.FROM_PRODUCER)) == SCHEMA
+    forged = SCHEMA.to_dict()
+    forged["arrays"][0]["dtype"] = "object"
+    raw = protocol.encode_control("hello", name="p", schema=forged)
+    with pytest.raises(ProtocolError) as info:
+        protocol.schema_of_hello(protocol.decode_header(raw, protocol.FROM_PRODUCER))
+    assert info.value.reason is DropReason.HELLO and "object" in info.value.detail
+
+
+def test_trainer_messages_are_not_taken_from_a_producer():
+    raw = protocol.encode_control("credit", n=5)
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_header(raw, protocol.FROM_PRODUCER)
+    assert info.value.reason is DropReason.KIND
+    assert protocol.decode_header(raw, protocol.FROM_TRAINER)["n"] == 5

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
-from stagefeed.common.spec import BatchSpec
+from stagefeed.common.schema import image_schema
 from stagefeed.consumer.figures import StepCounters, take_snapshot
 from stagefeed.consumer.monitor import Monitor, ObserveOptions
 from stagefeed.consumer.tensorboard import TensorBoardWriter
@@ -87,14 +87,14 @@ def test_an_unusable_logdir_fails_at_start(tmp_path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monitor = Monitor(ObserveOptions(logdir=str(blocker / "tb")))
-    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", spec=BatchSpec(batch_size=2)))
+    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=image_schema(batch_size=2)))
     with pytest.raises(ConfigError, match="cannot write TensorBoard logs to .*file/tb"):
         monitor.start(trainer)
     monitor.close()
 
 
 def test_close_writes_pending_steps_and_joins_the_thread(tmp_path) -> None:
-    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", spec=BatchSpec(batch_size=2)))
+    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=image_schema(batch_size=2)))
     counters = StepCounters(trainer.options.queue_capacity)
     monitor = Monitor(ObserveOptions()).start(trainer)
     writer = TensorBoardWriter(

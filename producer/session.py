@@ -1,0 +1,239 @@
+"""The producer's side of the v2 conversation with one trainer, across its connections.
+
+``Session`` holds the protocol state the channel thread acts on and decides what every
+message from the trainer means; it never touches a socket (``producer.link`` does the I/O and
+asks it what to send). Used by the channel thread only.
+
+Per connection (libzmq reconnects by itself; each connection is a new peer to the trainer):
+``handshake()`` makes a hello due; after ``hello_sent`` only pings go until a welcome; then a
+batch only against credit (``welcome.credit``, then ``credit {n}``), one each. Credit is 0
+again on ``disconnected()``, a ``bye``, or a ``refused`` / ``dropped`` of reason
+``no_hello``, which also makes a hello due on the same connection.
+
+The schema is fixed by the first welcome: the declared one, or the trainer's adopted. Every
+later hello declares it, so a trainer that comes back with another schema refuses us
+(``SchemaMismatch``) instead of dropping every batch.
+
+Errors: ``SchemaMismatch`` / ``ConfigError`` for a refusal that waiting cannot fix (exit 2),
+``BrokenError`` for an unusable welcome (exit 3). Malformed messages and verdicts are logged at
+most once per reason per ``NOTICE_EVERY_S`` and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+from stagefeed.common import protocol
+from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
+from stagefeed.common.schema import Schema, SchemaMismatch, excerpt
+from stagefeed.producer.handoff import Dropped, Welcome, Welcomed
+
+log = logging.getLogger(__name__)
+
+UNREACHABLE_LOG_S = 2.0
+NO_WELCOME_LOG_S = 10.0
+NOTICE_EVERY_S = 5.0
+HELLO_RETRY_S = 5.0  # after a refused hello the trainer may accept later (peer_limit)
+MAX_CREDIT = 2**20
+_REASONS = frozenset(r.value for r in DropReason)
+
+
+class Session:
+    """Conversation state; ``post`` sends ``Welcomed`` and ``Dropped`` events to the owner."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        name: str,
+        schema: Schema | None,
+        max_unsent_of: Callable[[Schema], int],
+        post: Callable[[object], None],
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.schema = schema  # declared, or adopted from the first welcome; then fixed
+        self.welcome: Welcome | None = None  # the first one
+        self._max_unsent_of = max_unsent_of
+        self._post = post
+        self._noticed: dict[str, float] = {}
+        self._drops: collections.Counter[str] = collections.Counter()
+        self._unreachable_since = time.monotonic()
+        self._said_unreachable = False
+        self._reset(connected=False)
+
+    def _reset(self, connected: bool) -> None:
+        self.connected = connected
+        self.hello_due = connected
+        self.hello_not_before = 0.0
+        self.welcomed = False
+        self.credit = 0
+        self._hello_at: float | None = None
+        self._bye = False
+        self._said_no_welcome = False
+
+    # -- connection events ---------------------------------------------------------------------
+
+    def handshake(self) -> None:
+        """A new connection completed its ZMTP handshake: a new peer, a hello is due."""
+        if self._said_unreachable:
+            log.info("trainer at %s reachable again", self.endpoint)
+        self._said_unreachable = False
+        self._reset(connected=True)
+
+    def disconnected(self, now: float) -> None:
+        if self.connected:
+            log.info("lost the trainer at %s; reconnecting", self.endpoint)
+            self._unreachable_since = now
+        self._reset(connected=False)
+
+    def hello(self) -> dict[str, Any]:
+        """Fields of the hello to send now."""
+        declared = self.schema.to_dict() if self.schema is not None else None
+        return {"name": self.name, "schema": declared}
+
+    def hello_sent(self, now: float) -> None:
+        self.hello_due = False
+        self._hello_at = now
+
+    def spend_credit(self) -> None:
+        assert self.welcomed and self.credit > 0
+        self.credit -= 1
+
+    # -- messages from the trainer -------------------------------------------------------------
+
+    def handle(self, frames: list[bytes], now: float) -> Welcome | None:
+        """Act on one message; return the ``Welcome`` if it was the first one."""
+        if len(frames) != 1:
+            self.notice("parts", f"a {len(frames)}-frame message from {self.endpoint} ignored")
+            return None
+        try:
+            header = protocol.decode_header(frames[0], protocol.FROM_TRAINER)
+        except ProtocolError as exc:
+            self.notice(exc.reason.value, f"malformed message from {self.endpoint}: {exc}")
+            return None
+        kind = header["t"]
+        if kind == "welcome":
+            return self._on_welcome(header)
+        if kind == "refused":
+            self._on_refused(header, now)
+        elif kind == "credit":
+            if self.welcomed:
+                self.credit = min(self.credit + header["n"], MAX_CREDIT)
+        elif kind == "dropped":
+            self._on_dropped(header)
+        elif kind == "bye":
+            self.credit = 0
+            if not self._bye:
+                self._bye = True
+                log.info("trainer at %s is closing; waiting for it to come back", self.endpoint)
+        return None
+
+    def _on_welcome(self, header: dict[str, Any]) -> Welcome | None:
+        if self._hello_at is None or self.welcomed:
+            log.debug("unexpected welcome from %s ignored", self.endpoint)
+            return None
+        try:
+            schema = Schema.from_dict(header["schema"], source=f"welcome from {self.endpoint}")
+        except ConfigError as exc:
+            raise BrokenError(str(exc)) from None
+        if self.schema is not None and schema.wire() != self.schema.wire():
+            raise SchemaMismatch(
+                f"trainer at {self.endpoint} now expects {schema.describe()}; this producer "
+                f"sends {self.schema.describe()}"
+            )
+        agreed = self.schema or schema
+        size = message_bytes(agreed)
+        if size > header["max_message"]:
+            raise ConfigError(
+                f"trainer at {self.endpoint} accepts messages of at most {header['max_message']} "
+                f"B; one batch of {agreed.describe()} is {size} B with its header"
+            )
+        self.welcomed = True
+        self.credit = header["credit"]
+        if self.welcome is not None:
+            log.info("trainer at %s welcomed us again (credit %d)", self.endpoint, self.credit)
+            return None
+        self.schema = agreed
+        max_unsent = self._max_unsent_of(agreed)
+        self.welcome = Welcome(agreed, header["max_message"], header["credit"], max_unsent)
+        self._post(Welcomed(self.welcome))
+        return self.welcome
+
+    def _on_refused(self, header: dict[str, Any], now: float) -> None:
+        reason = header["reason"]
+        detail = _one_line(header["detail"])
+        if reason == DropReason.NO_HELLO:
+            self.notice(reason, f"trainer at {self.endpoint} does not know us: hello again")
+            self._reset(connected=self.connected)
+        elif reason == DropReason.PEER_LIMIT:
+            self.notice(reason, f"trainer at {self.endpoint} is full ({detail}); retrying")
+            self._reset(connected=self.connected)
+            self.hello_not_before = now + HELLO_RETRY_S
+        elif reason == DropReason.SPEC_MISMATCH:
+            raise SchemaMismatch(f"trainer at {self.endpoint}: {detail}")
+        else:
+            raise ConfigError(
+                f"trainer at {self.endpoint} refused this producer ({excerpt(reason)}): {detail}"
+            )
+
+    def _on_dropped(self, header: dict[str, Any]) -> None:
+        reason = header["reason"] if header["reason"] in _REASONS else "other"
+        self._drops[reason] += 1
+        self._post(Dropped(header["seq"], reason))
+        self.notice(
+            f"dropped:{reason}",
+            f"trainer at {self.endpoint} dropped batch {header['seq']}: {reason}: "
+            f"{_one_line(header['detail'])} ({self._drops[reason]} so far)",
+        )
+        if reason == DropReason.NO_HELLO and self.welcomed:
+            self._reset(connected=self.connected)
+
+    # -- logging -------------------------------------------------------------------------------
+
+    def log_waiting(self, now: float) -> None:
+        """Say once that the trainer is unreachable, or silent after our hello."""
+        if (
+            not self.connected
+            and not self._said_unreachable
+            and now - self._unreachable_since > UNREACHABLE_LOG_S
+        ):
+            self._said_unreachable = True
+            log.warning("cannot reach the trainer at %s; retrying quietly", self.endpoint)
+        if (
+            self._hello_at is not None
+            and not self.welcomed
+            and not self._said_no_welcome
+            and now - self._hello_at > NO_WELCOME_LOG_S
+        ):
+            self._said_no_welcome = True
+            log.warning(
+                "no welcome from %s %.0f s after hello: is it a stagefeed trainer (protocol v%d)?",
+                self.endpoint,
+                NO_WELCOME_LOG_S,
+                protocol.PROTOCOL_VERSION,
+            )
+
+    def notice(self, key: str, message: str) -> None:
+        """Log ``message`` unless a line of the same ``key`` went out in the last 5 s."""
+        now = time.monotonic()
+        if now - self._noticed.get(key, -NOTICE_EVERY_S) >= NOTICE_EVERY_S:
+            self._noticed[key] = now
+            log.warning("%s", message)
+
+
+def message_bytes(schema: Schema) -> int:
+    """Bytes of a ``batch`` message of ``schema``, header included (its largest seq's)."""
+    arrays = [[name, dtype.str, list(shape)] for name, dtype, shape in schema.wire()]
+    header = {"v": protocol.PROTOCOL_VERSION, "t": "batch", "seq": 2**63 - 1, "arrays": arrays}
+    return len(msgpack.packb(header)) + schema.batch_bytes
+
+
+def _one_line(text: str) -> str:
+    """Untrusted detail text as one bounded, printable line."""
+    text = text[: protocol.MAX_DETAIL_LEN]
+    return "".join(c if c.isprintable() else " " for c in text)

@@ -1,0 +1,56 @@
+"""Credit flow control: a fixed pool, a per-connection cap, round-robin grants, expiry."""
+
+from __future__ import annotations
+
+import time
+
+from stagefeed.consumer.connections import Connections
+
+
+def _invariant(conns: Connections) -> None:
+    held = sum(c.outstanding + c.in_hand for c in conns.live())
+    assert conns.available + held + sum(conns._orphaned.values()) == conns.pool
+
+
+def test_grants_never_exceed_the_pool_or_the_per_connection_cap():
+    conns = Connections(pool=4, per_peer=3, max_live=8, timeout_s=10)
+    a = conns.add(b"a", 0, "a")
+    assert dict((c.name, n) for c, n in conns.grants()) == {"a": 3}
+    b = conns.add(b"b", 1, "b")
+    assert dict((c.name, n) for c, n in conns.grants()) == {"b": 1}
+    _invariant(conns)
+    assert conns.use_credit(a) and conns.use_credit(a)
+    conns.finished(b"a")
+    granted = dict((c.name, n) for c, n in conns.grants())
+    assert granted == {"b": 1}  # the free credit goes to the connection below its cap
+    _invariant(conns)
+    assert (a.outstanding + a.in_hand, b.outstanding + b.in_hand) == (2, 2)
+
+
+def test_a_batch_without_credit_is_refused():
+    conns = Connections(pool=1, per_peer=1, max_live=8, timeout_s=10)
+    a = conns.add(b"a", 0, "a")
+    assert not conns.use_credit(a)
+    conns.grants()
+    assert conns.use_credit(a) and not conns.use_credit(a)
+
+
+def test_expired_connections_return_their_credit_even_with_batches_in_hand():
+    conns = Connections(pool=4, per_peer=4, max_live=8, timeout_s=0.05)
+    a = conns.add(b"a", 0, "a")
+    conns.grants()
+    assert conns.use_credit(a)  # one in hand, three outstanding
+    time.sleep(0.1)
+    assert [c.name for c in conns.expire()] == ["a"]
+    assert conns.available == 3
+    conns.finished(b"a")  # the batch in hand finishes after the connection is gone
+    assert conns.available == 4
+    _invariant(conns)
+
+
+def test_an_ended_producer_gets_no_more_credit():
+    conns = Connections(pool=4, per_peer=2, max_live=8, timeout_s=10)
+    a = conns.add(b"a", 0, "a")
+    conns.grants()
+    conns.end(a)
+    assert conns.available == 4 and conns.grants() == []

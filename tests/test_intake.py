@@ -1,0 +1,202 @@
+"""The intake over real loopback sockets: hello, credit, verdicts, identity, bounded receipt.
+
+The intake (its ROUTER socket, threads, connections and books) is the thing under test; the
+enqueue it is given is a plain function that records what it got, standing in for the queue.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from stagefeed.common import protocol
+from stagefeed.common.ledger import Ledger
+from stagefeed.common.options import TrainerOptions
+from stagefeed.common.schema import ArraySpec, Schema
+from stagefeed.consumer.intake import Intake
+
+SCHEMA = Schema(
+    (ArraySpec("x", "float32", (4,)), ArraySpec("y", "int64", (), bounds=(0, 10))), 2
+)
+GOOD = [("x", np.ones((2, 4), np.float32)), ("y", np.array([1, 2], np.int64))]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.got: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, arrays, peer: int, seq: int) -> bool:
+        assert set(arrays) == {"x", "y"}
+        with self.lock:
+            self.got.append((peer, seq))
+        return True
+
+
+@pytest.fixture
+def intake():
+    ledger = Ledger()
+    recorder = Recorder()
+    options = TrainerOptions(
+        bind="tcp://127.0.0.1:*", schema=SCHEMA, queue_mb=1, producer_timeout_s=5.0
+    )
+    it = Intake(options, SCHEMA, recorder, ledger).start()
+    it.recorder, it.ledger = recorder, ledger
+    ctx = zmq.Context()
+    it.ctx = ctx
+    yield it
+    it.close()
+    ctx.destroy(linger=0)
+
+
+def _peer(intake) -> zmq.Socket:
+    sock = intake.ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(intake.endpoint)
+    return sock
+
+
+def _reply(sock, timeout_s: float = 10.0) -> dict:
+    assert sock.poll(int(timeout_s * 1000)), "no reply from the intake"
+    return protocol.decode_header(sock.recv(), protocol.FROM_TRAINER)
+
+
+def _replies(sock, until, timeout_s: float = 10.0) -> list[dict]:
+    """Replies read until ``until(replies)`` holds (credits may come merged in one message)."""
+    got: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while not until(got) and time.monotonic() < deadline:
+        if sock.poll(50):
+            got.append(protocol.decode_header(sock.recv(), protocol.FROM_TRAINER))
+    assert until(got), got
+    return got
+
+
+def _credit(replies: list[dict]) -> int:
+    return sum(r["n"] for r in replies if r["t"] == "credit")
+
+
+def _hello(sock, name="p-1", schema=None) -> dict:
+    sock.send(protocol.encode_control("hello", name=name, schema=schema))
+    return _reply(sock)
+
+
+def _wait(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_hello_gets_the_schema_and_credit_then_batches_are_enqueued(intake):
+    sock = _peer(intake)
+    welcome = _hello(sock)
+    assert welcome["t"] == "welcome" and Schema.from_dict(welcome["schema"]) == SCHEMA
+    assert welcome["credit"] == 2 and welcome["max_message"] == intake.options.max_message_bytes
+    for seq in range(2):
+        sock.send_multipart(protocol.encode_batch(seq, GOOD))
+    assert _wait(lambda: len(intake.recorder.got) == 2)
+    replies = _replies(sock, lambda r: _credit(r) >= 2)
+    assert _credit(replies) == 2  # one credit back per batch handled, no more
+    assert intake.ledger.totals()["enqueued"] == 2
+    intake.check()
+
+
+def test_a_producer_declaring_another_schema_is_refused_naming_the_array(intake):
+    sock = _peer(intake)
+    other = Schema((ArraySpec("x", "float64", (4,)), SCHEMA["y"]), 2)
+    refused = _hello(sock, schema=other.to_dict())
+    assert refused == {
+        "v": 2, "t": "refused", "reason": "spec_mismatch",
+        "detail": "x: the trainer expects float32[2,4], the producer declared float64[2,4]",
+    }  # fmt: skip
+    assert intake.ledger.refusals() == {"p-1": {"spec_mismatch": 1}}
+
+
+def test_a_batch_before_hello_or_without_credit_is_dropped_and_the_producer_told(intake):
+    sock = _peer(intake)
+    sock.send_multipart(protocol.encode_batch(0, GOOD))
+    assert _reply(sock)["reason"] == "no_hello"
+    _hello(sock)
+    for seq in range(3):  # two credits granted: the third is not
+        sock.send_multipart(protocol.encode_batch(seq, GOOD))
+    verdicts = _replies(sock, lambda r: any(v["t"] == "dropped" for v in r) and _credit(r) >= 2)
+    dropped = [v for v in verdicts if v["t"] == "dropped"]
+    assert [(v["seq"], v["reason"]) for v in dropped] == [(2, "no_credit")]
+    assert intake.ledger.drops_by_reason() == {"no_hello": 1, "no_credit": 1}
+
+
+def test_a_bad_batch_is_refused_with_its_reason_and_its_credit_returns(intake):
+    sock = _peer(intake)
+    _hello(sock)
+    bad = [("x", np.ones((2, 4), np.float32)), ("y", np.array([1, 99], np.int64))]
+    sock.send_multipart(protocol.encode_batch(0, bad))
+    verdicts = _replies(sock, lambda r: {v["t"] for v in r} == {"dropped", "credit"})
+    dropped = next(v for v in verdicts if v["t"] == "dropped")
+    assert dropped["reason"] == "value_range" and "y values span [1, 99]" in dropped["detail"]
+
+
+def test_books_belong_to_the_connection_and_a_forged_seq_cannot_lock_anyone_out(intake):
+    good, hostile = _peer(intake), _peer(intake)
+    _hello(good, name="victim")
+    _hello(hostile, name="victim")  # the same name: still its own books
+    hostile.send_multipart(protocol.encode_batch(0, GOOD))
+    hostile.send_multipart(protocol.encode_batch(2**63 - 1, GOOD))
+    for seq in range(2):
+        good.send_multipart(protocol.encode_batch(seq, GOOD))
+    assert _wait(lambda: len(intake.recorder.got) == 3)
+    summary = intake.ledger.summary()
+    books = sorted((s["received"], s["dropped"]) for s in summary.values())
+    assert books == [(1, {"seq_range": 1}), (2, {})]
+    assert all(s["seq_missing"] == 0 for s in summary.values())
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([msgpack.packb({"v": 2, "t": "batch", "seq": 0, "arrays": 0})] + [b""] * 200_000,
+         "parts"),
+        ([msgpack.packb({"v": 2, "t": "batch", "seq": 0, "arrays": [[[[[[[[]]]]]]]] * 2}),
+          b"a", b"b"], "header_fields"),
+        ([b"\xc1" * 10], "header_not_msgpack"),
+    ],
+    ids=["200k empty frames", "nested arrays", "garbage"],
+)
+def test_hostile_messages_are_dropped_and_the_intake_goes_on(intake, frames, reason):
+    sock = _peer(intake)
+    _hello(sock)
+    sock.send_multipart(frames)
+    assert _wait(lambda: intake.ledger.drops_by_reason().get(reason) == 1, 30)
+    sock.send_multipart(protocol.encode_batch(0, GOOD))
+    assert _wait(lambda: len(intake.recorder.got) == 1)
+    intake.check()
+
+
+def test_deeply_nested_header_cannot_stop_the_intake(intake):
+    deep: list = []
+    for _ in range(1000):
+        deep = [deep]
+    sock = _peer(intake)
+    _hello(sock)
+    sock.send_multipart([msgpack.packb({"v": 2, "t": "batch", "seq": 0, "arrays": deep}), b"x"])
+    assert _wait(lambda: intake.ledger.drops_by_reason().get("header_fields") == 1)
+    intake.check()
+
+
+def test_data_ends_once_every_live_producer_said_end_and_all_was_handled(intake):
+    a, b = _peer(intake), _peer(intake)
+    _hello(a, name="a")
+    _hello(b, name="b")
+    a.send_multipart(protocol.encode_batch(0, GOOD))
+    a.send(protocol.encode_control("end", seq=1))
+    assert _wait(lambda: intake.ledger.summary()["a"]["ended_after"] == 1)
+    assert not intake.data_ended()  # b has not ended
+    b.send(protocol.encode_control("end", seq=0))
+    assert _wait(intake.data_ended)
+    assert intake.recorder.got == [(0, 0)]

@@ -1,0 +1,78 @@
+"""One import namespace: installing claims only ``stagefeed``; a user's own ``common`` package
+changes nothing; the public API is curated; producers never load TensorFlow."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import stagefeed
+from tests.conftest import REPO, cli_env
+
+
+def test_public_api_is_curated_sorted_and_resolvable():
+    assert stagefeed.__all__ == sorted(stagefeed.__all__)
+    for name in stagefeed.__all__:
+        assert getattr(stagefeed, name) is not None, name
+    with pytest.raises(AttributeError):
+        stagefeed.no_such_thing  # noqa: B018
+
+
+def test_import_stagefeed_and_the_producer_side_do_not_import_tensorflow():
+    code = (
+        "import sys, stagefeed, stagefeed.cli, stagefeed.launcher;"
+        "import stagefeed.producer.worker, stagefeed.producer.pool, stagefeed.producer.sources;"
+        "stagefeed.cli.build_parser();"
+        "print('tensorflow' in sys.modules, 'keras' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), check=True
+    )
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_a_users_own_common_package_first_on_the_path_changes_nothing(tmp_path):
+    for name in ("common", "producer", "consumer", "bench"):
+        package = tmp_path / name
+        package.mkdir()
+        (package / "__init__.py").write_text("raise ImportError('the user package was imported')\n")
+        (package / "options.py").write_text("ProducerOptions = None\n")
+    env = cli_env(PYTHONPATH=f"{tmp_path}:{REPO}")
+    for args in (["--version"], ["produce", "--help"], ["train", "--help"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "stagefeed.cli", *args],
+            capture_output=True, text=True, env=env, cwd=tmp_path, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+    assert f"stagefeed {stagefeed.__version__}" in subprocess.run(
+        [sys.executable, "-m", "stagefeed.cli", "--version"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, check=False,
+    ).stdout  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_one_top_level_name(tmp_path):
+    # Built from a copy: setuptools builds in the source tree, and a stale build/ there could
+    # leak into the wheel.
+    source = tmp_path / "src"
+    skip = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info")
+    shutil.copytree(REPO, source, ignore=skip)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), source],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("stagefeed-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+        assert zf.read(top_level).decode().split() == ["stagefeed"]
+    packages = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert packages == {"stagefeed"}
+    for layer in ("common", "producer", "consumer", "bench"):
+        assert f"stagefeed/{layer}/__init__.py" in names
+    assert wheel.name.startswith(f"stagefeed-{stagefeed.__version__}-")
