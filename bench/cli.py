@@ -57,7 +57,7 @@ def add_parser(subparsers: Any) -> None:
         "--rounds", type=int, default=0, help="interleaved blocks per mode [0: one per step]"
     )
     p.add_argument("--producers", type=int, default=2, help="stagefeed producers [2]")
-    p.add_argument("--recv-threads", type=int, default=2, help="stagefeed receive threads [2]")
+    p.add_argument("--recv-threads", type=int, default=2, help="stagefeed enqueue threads [2]")
     p.add_argument("--transport", default="tcp", choices=TRANSPORTS, help="stagefeed loopback")
     p.add_argument("--queue-mb", type=float, default=1024.0, help="queue budget, MiB [1024]")
     p.add_argument(

@@ -128,7 +128,7 @@ class StepsConfig:
 class IngestConfig:
     """``bench ingest``: one measurement per (dtype, producers, transport).
 
-    ``producers`` producer processes feed as many receive threads; ``gb`` is how many bytes
+    ``producers`` producer processes feed as many enqueue threads; ``gb`` is how many bytes
     (1e9) each timed measurement moves, after warm-up batches that drain the start-up buffers;
     ``repeats`` measurements of each peer (alternating order) give the reported medians.
     """

@@ -108,7 +108,7 @@ class StagefeedMode:
         return record.wait_s + record.step_s, record.wait_s
 
     def settle(self) -> dict[str, Any]:
-        """Wait until the receive pool has refilled the queue (producers kept up)."""
+        """Wait until the intake has refilled the queue (producers kept up)."""
         assert self.trainer is not None
         capacity = self.trainer.options.queue_capacity
         started = time.monotonic()
