@@ -401,6 +401,11 @@ class Intake:
                         self._ledger.enqueued(index)
                         self.availability.add()
                 finally:
-                    credits.send(routing_id)
+                    # Never blocks: after stop the intake may have closed its end already, and
+                    # the credit no longer matters then.
+                    try:
+                        credits.send(routing_id, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
         finally:
             credits.close(linger=0)

@@ -31,7 +31,7 @@ def window(
     dropped: dict[str, int] | None = None,
     seq_missing: int = 0,
     batch_bytes: int = BATCH_BYTES,
-    image_dtype: str = "float32",
+    wire_dtype: str = "float32",
     producer_capacity_per_s: float = float("nan"),
 ) -> Figures:
     """Figures of a window of ``seconds`` in which ``per_producer`` batches were received."""
@@ -55,7 +55,7 @@ def window(
         dropped=dict(dropped or {}),
         producers={name: ProducerTotals(n, n, 0) for name, n in per_producer.items()},
     )
-    f = figures_between(empty_snapshot(1000.0), end, 2, batch_bytes, image_dtype, capacity)
+    f = figures_between(empty_snapshot(1000.0), end, 2, batch_bytes, wire_dtype, capacity)
     if not math.isnan(producer_capacity_per_s):
         f = dataclasses.replace(f, producer_capacity_per_s=producer_capacity_per_s)
     return f

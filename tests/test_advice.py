@@ -48,7 +48,7 @@ def test_wire_bound_when_receiving_near_the_link() -> None:
     assert f.received_mb_per_s == pytest.approx(100 * f.batch_mb / 10)
     result = advise(f, wire_mb_s=12.0)
     assert result.kind == advice.WIRE_BOUND
-    assert result.text.endswith("switch --dtype uint8 to move 4x fewer bytes")
+    assert result.text.endswith("(--dtype uint8 for images) to move 4x fewer bytes")
     # The same figures on a link with room: more producers, not fewer bytes.
     assert advise(f, wire_mb_s=1000.0).kind == advice.INPUT_BOUND
 
@@ -64,7 +64,7 @@ def test_wire_bound_when_the_step_needs_more_than_the_link() -> None:
         step_s=0.25,
         per_producer={"a": 10},
         batch_bytes=2 * 227 * 227 * 3,
-        image_dtype="uint8",
+        wire_dtype="uint8",
     )
     result = advise(uint8, wire_mb_s=5.0)
     assert result.kind == advice.WIRE_BOUND

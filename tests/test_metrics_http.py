@@ -78,7 +78,7 @@ def test_endpoint_moves_while_a_real_trainer_trains(start_cli, tmp_path) -> None
     assert wait_for(lambda: stepped(steps + 2), timeout=60), trainer.output()[-3000:]
     second = dict(seen)
 
-    assert value(first, "stagefeed_info", device="/cpu:0", image_dtype="float32",
+    assert value(first, "stagefeed_info", device="/cpu:0", wire_dtype="float32",
                  batch_size="2", queue_capacity="20") == 1  # fmt: skip
     assert value(first, "stagefeed_queue_capacity_batches") == 20
     assert 0 <= value(second, "stagefeed_queue_batches") <= 20

@@ -40,7 +40,7 @@ def test_run_trains_and_writes_the_summary(tmp_path, dtype, transport):
     assert "stagefeed summary" in done.stdout and "ms/step median" in done.stdout
     assert "step " in done.stderr  # progress was shown while it ran
     summary = json.loads(summary_path.read_text())
-    assert summary["image_dtype"] == dtype and summary["batch_size"] == 2
+    assert summary["wire_dtype"] == dtype and summary["batch_size"] == 2
     assert summary["steps"] == 4 and summary["warmup_steps"] == 2
     assert not summary["interrupted"]
     for key in ("median_ms", "p90_ms", "images_per_s", "received_mb_per_s"):
