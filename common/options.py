@@ -93,6 +93,7 @@ class TrainerOptions:
     curve_keys: str | None = None
     wait_log_s: float = 10.0  # how often to say "waiting for data" while starved
     keep_freed_memory: bool = True  # see consumer/malloc_policy.py
+    model: str = "alexnet"  # --model: "alexnet" or module:NAME (see consumer/models.py)
     credit_per_producer: int = 2  # batches one producer may have in flight towards us
     producer_timeout_s: float = 10.0  # a connection silent this long is forgotten
 
@@ -122,6 +123,10 @@ class TrainerOptions:
                 f"got {self.credit_per_producer!r}"
             )
         _positive("producer_timeout_s", self.producer_timeout_s)
+        if not isinstance(self.model, str) or not (
+            self.model == "alexnet" or re.fullmatch(r"[\w.]+:\w+", self.model)
+        ):
+            raise ConfigError(f"model must be 'alexnet' or module:NAME, got {self.model!r}")
         if self.queue_mb * MIB < self.schema.batch_bytes:
             raise ConfigError(
                 f"queue_mb={self.queue_mb} holds no batch of "

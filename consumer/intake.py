@@ -101,6 +101,8 @@ class Intake:
         )
         self._failures: queue.SimpleQueue[BaseException] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._granting = threading.Event()  # cleared by stop_granting(): no credit goes out
+        self._granting.set()
         self._threads: list[threading.Thread] = []
         self._ctx: zmq.Context | None = None
         self._credit_addr = f"inproc://stagefeed-credit-{id(self)}"
@@ -309,7 +311,8 @@ class Intake:
                 return
             conn = self._conns.add(routing_id, index, name)
         self._conns.seen(conn)
-        grants = dict((c.routing_id, n) for c, n in self._conns.grants())
+        granting = self._granting.is_set()
+        grants = dict((c.routing_id, n) for c, n in self._conns.grants()) if granting else {}
         credit = grants.pop(routing_id, 0)
         self._reply(
             router, routing_id, "welcome", schema=self.schema.to_dict(),
@@ -370,7 +373,15 @@ class Intake:
                 log.info("producer %s silent for %.0f s: forgotten", conn.name,
                          self._conns.timeout_s)  # fmt: skip
 
+    def stop_granting(self) -> None:
+        """Grant no more credit (before the queue closes): at most the credit pool is then
+        received and not enqueued at stop.
+        """
+        self._granting.clear()
+
     def _send_grants(self, router: zmq.Socket) -> None:
+        if not self._granting.is_set():
+            return
         for conn, n in self._conns.grants():
             self._reply(router, conn.routing_id, "credit", n=n)
 

@@ -84,11 +84,11 @@ def format_text(summary: dict[str, Any]) -> str:
         + (" - interrupted" if s["interrupted"] else "")
         + (" - every producer's data ended" if s.get("data_ended") else ""),
         f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",
-        f"  images/s {s['images_per_s']}  received {s['received_mb_per_s']} MiB/s  "
+        f"  examples/s {s['images_per_s']}  received {s['received_mb_per_s']} MiB/s  "
         f"stall {s['stall_pct']}%",
         f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})",
         f"  batches received {b['received']}, trained {b['trained']}, "
-        f"queued at stop {b['queued_at_stop']}, in receive threads at stop "
+        f"queued at stop {b['queued_at_stop']}, in the intake at stop "
         f"{b['not_enqueued']}, dropped {b['dropped']}, "
         f"missing (sequence gaps) {b['seq_missing']}",
     ]
@@ -107,7 +107,7 @@ def format_text(summary: dict[str, Any]) -> str:
         lines.append(
             f"    {name}: received {p.get('received', 0)}, trained {p.get('trained', 0)}, "
             f"queued at stop {p.get('queued_at_stop', 0)}, "
-            f"in receive threads {p.get('not_enqueued', 0)}, dropped {dropped}"
+            f"in the intake {p.get('not_enqueued', 0)}, dropped {dropped}"
             + (f" {p['dropped']}" if dropped else "")
             + (f", missing {p['seq_missing']}" if p.get("seq_missing") else "")
         )

@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import tensorflow as tf
-from stagefeed.common.errors import ClosedError
+from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import graph as feed_graph
-from stagefeed.consumer import malloc_policy, model
+from stagefeed.consumer import malloc_policy, models
 from stagefeed.consumer.intake import Intake
 
 log = logging.getLogger(__name__)
@@ -59,11 +59,12 @@ class Trainer:
         options: TrainerOptions,
         observers: Sequence[StepObserver] = (),
         configure_server: Callable[[Any], None] | None = None,
-        model_fn: feed_graph.ModelFn = model.model_fn,
+        model_fn: feed_graph.ModelFn | None = None,
     ) -> None:
         self.options = options
         self.schema = options.schema
-        self.model_fn = model_fn  # what a step does with the staged batch
+        # What a step does with the staged batch: given, or ``options.model`` (resolved at start).
+        self.model_fn = model_fn
         self.observers = list(observers)
         self.ledger = Ledger()
         self.consumed = 0  # dequeues issued: primed puts + steps
@@ -85,9 +86,15 @@ class Trainer:
         if options.keep_freed_memory:
             malloc_policy.keep_freed_memory()
         self.device = feed_graph.pick_device(options.device)
-        self.feed = feed_graph.build(
-            self.schema, options.queue_capacity, options.stage_depth, self.device, self.model_fn
-        )
+        model_fn, ref = self.model_fn, options.model
+        if model_fn is None:
+            kind, model_fn = models.resolve(ref)
+            if kind != models.GRAPH:
+                raise ConfigError(f"--model {ref!r} builds a Keras model, not a graph model_fn")
+        self.feed = models.building(
+            ref, feed_graph.build, self.schema, options.queue_capacity, options.stage_depth,
+            self.device, model_fn,
+        )  # fmt: skip
         config = feed_graph.session_config(self.device)
         self.session = v1.Session(graph=self.feed.graph, config=config)
         with self.feed.graph.as_default():
@@ -189,6 +196,8 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
+        if self._intake is not None:
+            self._intake.stop_granting()
         if self.session is not None and self.feed is not None:
             try:
                 self.session.run(self.feed.close_queue)

@@ -77,6 +77,10 @@ def add_producer_flags(p: argparse.ArgumentParser) -> None:
 
 def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g = p.add_argument_group("trainer")
+    envflags.add(
+        g, "--model", default="alexnet",
+        help="alexnet, or module:NAME: a graph model_fn(staged, schema) or build(schema)",
+    )  # fmt: skip
     envflags.add(g, "--recv-threads", type=int, default=2, help="enqueue threads")
     envflags.add(g, "--steps", type=int, default=steps, help="timed steps (0: until stopped)")
     envflags.add(g, "--warmup-steps", type=int, default=2, help="untimed steps before them")
@@ -124,6 +128,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         bind=bind,
         schema=schema_from(args),
         recv_threads=args.recv_threads,
+        model=args.model,
         steps=args.steps,
         warmup_steps=args.warmup_steps,
         queue_mb=args.queue_mb,
