@@ -131,6 +131,11 @@ class SlotPool:
         """The msgpack-able header that travels with the fd."""
         return self.announcement.to_wire()
 
+    def generation(self, slot: int) -> int:
+        """The slot's current generation (0 until first acquired)."""
+        with self._cond:
+            return self._gen[slot]
+
     def free_slots(self) -> int:
         with self._cond:
             return len(self._free)
