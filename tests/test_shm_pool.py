@@ -401,3 +401,11 @@ def test_closing_either_side_never_unmaps_memory_a_view_still_uses(pair, caplog)
     assert reshaped.tolist() == [9, 9] and hook.calls == []
     del reshaped
     assert len(hook.calls) == 1
+
+
+def test_bench_shm_copy_runs_and_prints_every_row(capsys):
+    from stagefeed.bench import shm_copy
+
+    assert shm_copy.main(["--batch-size", "1", "--windows", "1", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| ") >= 6 and "validate + map" in out and "x memcpy" in out
