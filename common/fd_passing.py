@@ -74,6 +74,24 @@ def _private_dir(directory: str) -> bool:
     return False
 
 
+def _remove_stale(path: str) -> None:
+    """Unlink the socket a killed trainer left at ``path``; refuse a live one or a non-socket."""
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise ConfigError(f"{path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)
+            return
+        except OSError as exc:
+            raise ConfigError(
+                f"{path}: cannot tell whether a trainer listens there: {exc}"
+            ) from exc
+    raise ConfigError(f"{path}: another process is listening there; pick another path")
+
+
 class FdChannel:
     """One connected SEQPACKET socket. Not for concurrent ``recv`` from two threads;
     ``send`` is atomic per message. ``close()`` is idempotent."""
@@ -158,9 +176,7 @@ class FdListener:
         self.allowed_uids = frozenset(allowed_uids or {os.geteuid()})
         self._made_dir = _private_dir(os.path.dirname(self.path))
         if os.path.lexists(self.path):
-            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                raise ConfigError(f"{self.path} exists and is not a socket")
-            os.unlink(self.path)  # a stale socket of a killed trainer
+            _remove_stale(self.path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             self._sock.bind(self.path)

@@ -131,6 +131,8 @@ class PoolAnnounce:
             raise ConfigError(f"pool id {self.pool_id!r} must match {POOL_ID.pattern}")
         if type(self.slots) is not int or not 1 <= self.slots <= MAX_SLOTS:
             raise ConfigError(f"slots {self.slots!r} must be 1..{MAX_SLOTS}")
+        if not isinstance(self.layout, SlotLayout):
+            raise ConfigError(f"layout must be a SlotLayout, got {type(self.layout).__name__}")
         if self.size > MAX_POOL_BYTES:
             raise ConfigError(f"pool of {self.size / MIB:.0f} MiB is over the 1 TiB limit")
 

@@ -84,6 +84,8 @@ def test_stale_socket_of_a_killed_trainer_is_replaced(tmp_path):
     second = FdListener(first.path)
     with raw_client(second.path):
         assert second.accept(timeout=5).peer.pid == os.getpid()
+    with pytest.raises(ConfigError, match="another process is listening"):
+        FdListener(second.path)  # a live listener's socket is never taken over
     second.close()
     first.close()
     assert not os.path.lexists(first.path)

@@ -10,6 +10,8 @@ import errno
 import gc
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import msgpack
@@ -30,8 +32,13 @@ from stagefeed.common.shm_view import MappedPool, PoolTable
 
 # Odd sizes on purpose: no array's size is a multiple of 64.
 ODD = SlotLayout.of(
-    [("images", np.float32, (2, 5, 7, 3)), ("mask", np.bool_, (3,)), ("ids", np.int64, (5,)),
-     ("labels", np.int32, (2,)), ("pixels", np.uint8, (3, 11))]  # fmt: skip
+    [
+        ("images", np.float32, (2, 5, 7, 3)),
+        ("mask", np.bool_, (3,)),
+        ("ids", np.int64, (5,)),
+        ("labels", np.int32, (2,)),
+        ("pixels", np.uint8, (3, 11)),
+    ]  # fmt: skip
 )
 SMALL = SlotLayout.of([("x", np.uint8, (1000,)), ("y", np.int64, (3,))])
 
@@ -409,3 +416,13 @@ def test_bench_shm_copy_runs_and_prints_every_row(capsys):
     assert shm_copy.main(["--batch-size", "1", "--windows", "1", "--reps", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("| ") >= 6 and "validate + map" in out and "x memcpy" in out
+
+
+def test_shm_modules_import_neither_tensorflow_nor_zmq():
+    code = (
+        "import sys; import stagefeed.common.shm_pool, stagefeed.common.shm_view, "
+        "stagefeed.common.fd_passing; "
+        "print(sorted(m for m in ('tensorflow', 'zmq') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
