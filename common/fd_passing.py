@@ -6,9 +6,10 @@ accepted peer is checked with SO_PEERCRED: its uid must be in ``allowed_uids`` (
 listener's own uid) or the connection is closed unread.
 
 One message is one msgpack map (at most ``MAX_MESSAGE_BYTES``) with at most one fd
-(SCM_RIGHTS). A message that is truncated, not msgpack, not a map, or carries more than one
-fd is refused with ``ProtocolError``, and every fd it carried is closed. SEQPACKET keeps
-message boundaries, so a refused message never desynchronizes the stream.
+(SCM_RIGHTS, as ``socket.send_fds``/``recv_fds`` send it; received fds are close-on-exec).
+A message that is truncated, not msgpack, not a map, or carries more than one fd is refused
+with ``ProtocolError``, and every fd it carried is closed. SEQPACKET keeps message
+boundaries, so a refused message never desynchronizes the stream.
 
 Handshake for a pool (the producer connects): ``offer_pool`` sends the announce with the fd
 and waits for ``{"ok": true}`` or ``{"ok": false, "reason", "detail"}``; ``accept_pool`` maps
@@ -18,12 +19,15 @@ has gone. Descriptors and releases travel elsewhere (ZeroMQ) as plain dicts.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import logging
 import os
+import select
 import socket
 import stat
 import struct
+import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -51,6 +55,24 @@ class PeerCred:
 def peer_cred(sock: socket.socket) -> PeerCred:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return PeerCred(*_UCRED.unpack(raw))
+
+
+def _send_fds(sock: socket.socket, data: bytes, fds: list[int], flags: int) -> None:
+    """``socket.send_fds`` with its ``flags`` honoured (Python 3.11 drops them)."""
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sock.sendmsg([data], ancillary, flags)
+
+
+def _recv_fds(sock: socket.socket, bufsize: int, flags: int) -> tuple[bytes, list[int], int]:
+    """``socket.recv_fds(sock, bufsize, 1, flags)`` with ``flags`` honoured (Python 3.11 drops
+    them: without MSG_CMSG_CLOEXEC a received fd would leak into every child the trainer
+    starts). Room for one fd: the kernel discards any more and sets MSG_CTRUNC."""
+    fds = array.array("i")
+    data, ancillary, msg_flags, _ = sock.recvmsg(bufsize, socket.CMSG_LEN(fds.itemsize), flags)
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), msg_flags
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -93,8 +115,8 @@ def _remove_stale(path: str) -> None:
 
 
 class FdChannel:
-    """One connected SEQPACKET socket. Not for concurrent ``recv`` from two threads;
-    ``send`` is atomic per message. ``close()`` is idempotent."""
+    """One connected SEQPACKET socket. One thread may ``recv`` while others ``send`` (each
+    message is sent atomically); not two receivers. ``close()`` is idempotent."""
 
     def __init__(self, sock: socket.socket, peer: PeerCred) -> None:
         self._sock = sock
@@ -109,6 +131,7 @@ class FdChannel:
         try:
             sock.settimeout(timeout)
             sock.connect(path)
+            sock.settimeout(None)
             peer = peer_cred(sock)
             if peer.uid not in (allowed_uids or {os.geteuid()}):
                 raise ProtocolError(DropReason.SHM_FD, f"listener {path} runs as uid {peer.uid}")
@@ -120,25 +143,39 @@ class FdChannel:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def send(self, header: Mapping[str, Any], fd: int | None = None) -> None:
+    def send(
+        self, header: Mapping[str, Any], fd: int | None = None, timeout: float | None = 10.0
+    ) -> None:
+        """Send one message (and ``fd``, which stays the caller's). TimeoutError if the peer
+        does not make room within ``timeout`` s, BrokenError if it has gone."""
         data = msgpack.packb(dict(header), use_bin_type=True)
         if len(data) > MAX_MESSAGE_BYTES:
             raise ValueError(f"message of {len(data)} bytes over {MAX_MESSAGE_BYTES}")
-        try:
-            socket.send_fds(self._sock, [data], [] if fd is None else [fd])
-        except OSError as exc:
-            raise BrokenError(f"fd channel to pid {self.peer.pid}: {exc}") from exc
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                _send_fds(self._sock, data, [] if fd is None else [fd], socket.MSG_DONTWAIT)
+                return
+            except BlockingIOError:
+                self._wait(select.POLLOUT, deadline, "room to send")
+            except OSError as exc:
+                raise BrokenError(f"fd channel to pid {self.peer.pid}: {exc}") from exc
+
+    def _wait(self, event: int, deadline: float | None, what: str) -> None:
+        """Poll (the socket stays blocking, so one thread may send while another receives)."""
+        poller = select.poll()
+        poller.register(self._sock, event)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not poller.poll(None if left is None else left * 1000):
+            raise TimeoutError(f"fd channel, pid {self.peer.pid}: no {what} in time")
 
     def recv(self, timeout: float | None = None) -> tuple[dict[str, Any], int | None]:
         """The next message and its fd (caller owns it). TimeoutError if none in ``timeout``
         s, BrokenError when the peer has gone, ProtocolError (fds closed) if refused."""
-        self._sock.settimeout(timeout)
+        if timeout is not None:
+            self._wait(select.POLLIN, time.monotonic() + timeout, "message")
         try:
-            data, fds, flags, _ = socket.recv_fds(
-                self._sock, MAX_MESSAGE_BYTES, 1, socket.MSG_CMSG_CLOEXEC
-            )
-        except TimeoutError:
-            raise TimeoutError(f"no message from pid {self.peer.pid} in {timeout} s") from None
+            data, fds, flags = _recv_fds(self._sock, MAX_MESSAGE_BYTES, socket.MSG_CMSG_CLOEXEC)
         except OSError as exc:
             raise BrokenError(f"fd channel from pid {self.peer.pid}: {exc}") from exc
         try:

@@ -5,6 +5,7 @@ Run a child producer by hand: ``python -m tests.test_shm_fd producer SOCKET_PATH
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import socket
@@ -120,12 +121,18 @@ def test_hostile_messages_are_refused_and_every_fd_they_carry_is_closed(listener
     assert open_fds() == before
 
 
-def test_recv_times_out(listener):
-    with raw_client(listener.path):
-        server = listener.accept(timeout=5)
-        with pytest.raises(TimeoutError):
-            server.recv(timeout=0.05)
-        server.close()
+def test_recv_and_send_time_out_instead_of_hanging(listener):
+    client = FdChannel.connect(listener.path, timeout=5)
+    server = listener.accept(timeout=5)
+    with pytest.raises(TimeoutError):
+        server.recv(timeout=0.05)
+    big = {"pad": b"x" * (MAX_MESSAGE_BYTES - 64)}
+    with pytest.raises(TimeoutError):  # the server never reads: its buffer fills up
+        for _ in range(10_000):
+            client.send(big, timeout=0.05)
+    assert server.recv(timeout=5)[0] == big  # what was sent arrived whole
+    client.close()
+    server.close()
     with pytest.raises(TimeoutError):
         listener.accept(timeout=0.05)
 
@@ -151,14 +158,17 @@ def test_trainer_refuses_a_bad_pool_and_the_producer_learns_why(listener):
 
         def refuse() -> None:
             _, fd = server.recv(timeout=5)
+            cloexec.append(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)
             os.close(fd)
             server.send({"ok": False, "reason": "test"})
 
         refuser = threading.Thread(target=refuse, name="shm-test-refuser")
+        cloexec: list[int] = []
         refuser.start()
         with pytest.raises(BrokenError, match="refused"):
             offer_pool(client, pool, timeout=5)
         refuser.join(5)
+        assert cloexec == [fcntl.FD_CLOEXEC]  # a received fd never leaks into exec'd children
     client.close()
     server.close()
 
