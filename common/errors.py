@@ -54,6 +54,16 @@ class DropReason(enum.StrEnum):
     SEQ_RANGE = "seq_range"  # a sequence number far outside the connection's window
     PEER_LIMIT = "peer_limit"  # more connections than the trainer tracks
     INTERNAL = "internal"  # an unexpected error while handling the message (logged in full)
+    SHM_DESCRIPTOR = "shm_descriptor"  # slot descriptor not a map of pool/slot/gen/seq
+    SHM_POOL = "shm_pool"  # descriptor names a pool this trainer has not mapped
+    SHM_SLOT = "shm_slot"  # slot index outside the pool
+    SHM_GENERATION = "shm_generation"  # generation is not the slot's current one (stale)
+    SHM_UNCOMMITTED = "shm_uncommitted"  # slot header not committed (torn or unfinished write)
+    SHM_SEQUENCE = "shm_sequence"  # seq differs from the one committed in the slot header
+    SHM_REPLAY = "shm_replay"  # this slot generation was accepted before
+    SHM_SEALS = "shm_seals"  # pool fd is not a memfd sealed against shrink and grow
+    SHM_POOL_SIZE = "shm_pool_size"  # pool fd size differs from the announced layout
+    SHM_FD = "shm_fd"  # fd message: no fd, more than one, truncated or from a refused peer
 
 
 class ProtocolError(StagefeedError):
