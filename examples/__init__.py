@@ -1,0 +1,1 @@
+"""Runnable examples of the TF 2 feed: ``python -m examples.NAME`` from the repository root."""
