@@ -23,6 +23,7 @@ buffers as deep as the device side). They are outside the queue's byte budget: a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -31,6 +32,8 @@ from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.eager_queue import EagerQueueFeed
 from stagefeed.consumer.step_books import DequeueLog
+
+log = logging.getLogger(__name__)
 
 # How the pipeline hands each batch over. None: the dict of arrays. A tuple of one to three
 # items, (x,), (x, y) or (x, y, sample_weight), each an array name or a list of names (a dict
@@ -148,12 +151,36 @@ def build(
     # outside the queue's byte budget and are lost when the iterator is dropped.
     options.experimental_optimization.inject_prefetch = False
     ds = ds.with_options(options)
-    if strategy is None and tf.distribute.has_strategy():
-        strategy = tf.distribute.get_strategy()
+    strategy = _replicated(strategy)
     if strategy is None:
+        log.info(
+            "feed dataset: %d batches buffered on %s, cast in the %s",
+            stage_depth,
+            queue.device,
+            cast,
+        )
         return ds.apply(tf.data.experimental.prefetch_to_device(queue.device, stage_depth)), 1
+    replicas = len(strategy.extended.worker_devices)
+    log.info(
+        "feed dataset: %d batches buffered on each of %s, a step takes %d, cast in the %s",
+        stage_depth,
+        ", ".join(strategy.extended.worker_devices),
+        replicas,
+        cast,
+    )
     input_options = tf.distribute.InputOptions(
         experimental_fetch_to_device=True, experimental_per_replica_buffer_size=stage_depth
     )
     distributed = strategy.distribute_datasets_from_function(lambda _: ds, options=input_options)
-    return distributed, len(strategy.extended.worker_devices)
+    return distributed, replicas
+
+
+def _replicated(strategy: tf.distribute.Strategy | None) -> tf.distribute.Strategy | None:
+    """The strategy whose replicas get device buffers: the one given, else the one in scope;
+    None for TensorFlow's default strategy, which has no replica devices to feed.
+    """
+    if strategy is None:
+        strategy = tf.distribute.get_strategy()
+    if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
+        return None
+    return strategy

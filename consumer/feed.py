@@ -15,7 +15,6 @@ each step (``callback()`` with ``fit``; ``books.step_done()`` in a custom loop) 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,8 +27,6 @@ from stagefeed.consumer import dataset as pipeline
 from stagefeed.consumer.eager_queue import EagerQueueFeed
 from stagefeed.consumer.keras_feed import FeedCallback, cast_layer
 from stagefeed.consumer.step_books import BooksFigures, DequeueLog, StepBooks
-
-log = logging.getLogger(__name__)
 
 # Room in the dequeue log beyond the queue: buffers hold at most a few batches per replica.
 LOG_HEADROOM = 4096
@@ -91,15 +88,6 @@ class Feed:
             stage_depth=self.stage_depth,
         )
         self.books.batches_per_step = per_step
-        log.info(
-            "feed dataset: %d queue batch(es) per step, %d buffered per replica on %s, cast in %s",
-            per_step,
-            self.stage_depth,
-            "the strategy's devices"
-            if strategy or tf.distribute.has_strategy()
-            else self.queue.device,
-            cast,
-        )
         return self._dataset
 
     def cast(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
