@@ -74,6 +74,9 @@ def train(
     with strategy.scope():
         model = build_model()
         optimizer = keras.optimizers.Adam(0.01)
+        # Built here, not lazily inside the replicated tf.function: under MirroredStrategy a
+        # lazy build fails with "You must feed a value for placeholder tensor" (Keras 3.15).
+        optimizer.build(model.trainable_variables)
 
     def replica_step(batch: dict[str, tf.Tensor]) -> tf.Tensor:
         with tf.GradientTape() as tape:
