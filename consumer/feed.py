@@ -105,12 +105,6 @@ class Feed:
     def figures(self) -> BooksFigures:
         return self.books.figures()
 
-    @property
-    def drained(self) -> bool:
-        """Closed, and every batch it took has been trained or abandoned."""
-        figures = self.books.figures()
-        return self.queue.closed and figures.queued == 0
-
     def close(self) -> None:
         """Idempotent: stop taking batches; the dataset ends after the queued ones."""
         self.queue.close()

@@ -5,10 +5,14 @@ from __future__ import annotations
 import gc
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
 from examples import custom_loop, keras_images, save_reload
+from tests.conftest import REPO, cli_env
 
 
 def balanced(figures) -> bool:
@@ -40,3 +44,19 @@ def test_save_reload_predicts_exactly_the_same(tmp_path):
     result = save_reload.save_and_reload(str(tmp_path), steps_per_epoch=3)
     assert os.path.getsize(result.path) > 0
     assert result.equal and result.max_difference == 0.0
+
+
+@pytest.mark.slow
+def test_an_example_runs_as_a_module_from_the_repository_root(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.save_reload", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cli_env(),
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "predictions equal True" in done.stderr
+    assert (tmp_path / "small_cnn.keras").is_file()
