@@ -121,10 +121,12 @@ class BooksFigures:
 
     @property
     def unaccounted(self) -> int:
+        """0 whenever no dequeue is in progress; anything else is a bookkeeping loss."""
         return self.enqueued - self.trained - self.abandoned - self.queued
 
     @property
     def input_wait(self) -> float:
+        """Share (0..1) of the run's wall time the trained batches' dequeues waited."""
         return min(1.0, self.wait_s / self.elapsed_s) if self.elapsed_s > 0 else 0.0
 
     def logs(self, prefix: str = "stagefeed_") -> dict[str, float]:
@@ -157,6 +159,7 @@ class StepBooks:
         self._next_index = 0  # index, in the newest iterator, of the next batch to train
         self._trained = self._abandoned = self._unbooked = self._steps = 0
         self._wait_s = 0.0
+        self._log_filled = False  # the log was full once: entries may have been dropped
         self._began: float | None = None
         self._ended: float | None = None
 
@@ -179,6 +182,8 @@ class StepBooks:
                     peers.append(entry.peer)
                     seqs.append(entry.seq)
                     self._wait_s += entry.wait_s
+                elif self._ended_early():
+                    break  # the data ended inside a multi-step call: fewer batches than steps
                 else:
                     self._unbooked += 1
                     if self._unbooked == 1:
@@ -225,7 +230,18 @@ class StepBooks:
         self._notify(abandoned)
         return figures
 
+    def _ended_early(self) -> bool:
+        """No entry for the next batch because there is none: the queue is closed and empty.
+
+        Unless the log was ever full: then the entry may have been dropped (``unbooked``).
+        """
+        if self._pending or self._log_filled or not self.queue.closed:
+            return False
+        return self.queue.size() == 0
+
     def _absorb(self, entries: list[Entry]) -> None:
+        if len(entries) >= self.dequeues.capacity:
+            self._log_filled = True
         for entry in entries:
             if entry.generation <= self._retired or entry.generation < self._generation:
                 self._abandon([entry])

@@ -15,6 +15,7 @@ from stagefeed.consumer.feed import Feed
 from stagefeed.consumer.step_books import DequeueLog, StepBooks
 
 from examples.filler import ThreadFiller
+from tests.conftest import wait_for
 
 # ``marker`` carries the batch's seq, so a step can tell which batch it trained.
 SCHEMA = Schema((ArraySpec("marker", "int64", ()), ArraySpec("x", "float32", (3,))), 2)
@@ -59,7 +60,8 @@ def test_each_step_books_exactly_the_batch_it_trained_and_the_books_balance():
             seen = int(step(iterator))
             _, seqs = feed.books.step_done()
             assert seqs == [seen]
-        feed.books.end()
+        assert wait_for(lambda: feed.figures().in_flight >= 1, timeout=10)
+        feed.books.end()  # the buffered batches are abandoned with the iterator
         del iterator
         gc.collect()
     figures = feed.figures()
@@ -77,13 +79,14 @@ def test_a_dropped_iterator_abandons_its_buffered_batches_and_the_next_one_is_bo
     first = iter(dataset)
     assert [int(step(first)) for _ in range(2)] == [0, 1]
     feed.books.step_done(2)
+    assert wait_for(lambda: feed.figures().in_flight >= 2, timeout=10)  # buffers filled
     del first  # its prefetched batches are gone with it
     gc.collect()
     second = iter(dataset)
     seen = [int(step(second)) for _ in range(3)]
     feed.books.step_done(3)
     assert sink.trained_seqs == [0, 1, *seen]
-    assert seen[0] > 2 and sink.abandoned_seqs == list(range(2, seen[0]))
+    assert seen[0] >= 4 and sink.abandoned_seqs == list(range(2, seen[0]))
     filler.join()
     assert len(list(second)) == 16 - seen[-1] - 1  # the rest, up to the closed queue's end
     feed.books.step_done(16 - seen[-1] - 1)

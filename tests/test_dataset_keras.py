@@ -119,13 +119,12 @@ def test_a_finite_source_ends_fit_after_its_last_batch_with_nothing_lost():
     assert (figures.trained, figures.abandoned, figures.queued) == (12, 0, 0)
 
 
-def test_steps_per_execution_books_every_step_of_each_call():
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+def test_steps_per_execution_books_every_step_of_each_call_up_to_the_end_of_data():
     sink = RecordingSink()
-    feed = Feed(SCHEMA, 8, stage_depth=1, sink=sink)
-    with ThreadFiller(feed, separable()):
-        model = compiled(steps_per_execution=3)
-        model.fit(
-            feed.dataset(("x", "y")), steps_per_epoch=6, callbacks=[feed.callback()], shuffle=False
-        )
-    assert sink.trained_seqs == list(range(6))
-    assert settled(feed).trained == 6
+    feed = Feed(SCHEMA, 4, stage_depth=1, sink=sink)
+    with ThreadFiller(feed, separable(count=7), close_at_end=True):
+        model = compiled(steps_per_execution=3)  # calls of 3, 3 and a last one with 1 batch
+        model.fit(feed.dataset(("x", "y")), epochs=2, callbacks=[feed.callback()], shuffle=False)
+    assert sink.trained_seqs == list(range(7))
+    assert settled(feed).trained == 7
