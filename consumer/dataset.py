@@ -74,7 +74,7 @@ def element_structure(schema: Schema, mapping: ElementMapping) -> Callable[[dict
         )
     parts: list[str | tuple[str, ...]] = []
     for item in mapping:
-        names = (item,) if isinstance(item, str) else tuple(item)
+        names = tuple(item) if isinstance(item, Sequence) and not isinstance(item, str) else (item,)
         for name in names:
             if not isinstance(name, str) or name not in schema.names:
                 raise ConfigError(
@@ -154,7 +154,7 @@ def build(
     strategy = _replicated(strategy)
     if strategy is None:
         log.info(
-            "feed dataset: %d batches buffered on %s, cast in the %s",
+            "feed dataset: stage depth %d on %s, cast in the %s",
             stage_depth,
             queue.device,
             cast,
@@ -162,7 +162,7 @@ def build(
         return ds.apply(tf.data.experimental.prefetch_to_device(queue.device, stage_depth)), 1
     replicas = len(strategy.extended.worker_devices)
     log.info(
-        "feed dataset: %d batches buffered on each of %s, a step takes %d, cast in the %s",
+        "feed dataset: stage depth %d on each of %s, a step takes %d batches, cast in the %s",
         stage_depth,
         ", ".join(strategy.extended.worker_devices),
         replicas,

@@ -64,7 +64,12 @@ def test_keras_mappings_give_tuples_nested_dicts_or_what_a_callable_returns():
 
 @pytest.mark.parametrize(
     "mapping, message",
-    [(("images", "nope"), "'nope'"), ("images", "mapping must be"), ((), "mapping must be")],
+    [
+        (("images", "nope"), "'nope'"),
+        ((["images", 3], "labels"), "names 3"),
+        ("images", "mapping must be"),
+        ((), "mapping must be"),
+    ],
 )
 def test_a_bad_mapping_is_a_config_error_naming_it(mapping, message):
     with pytest.raises(ConfigError, match=message):
