@@ -137,8 +137,7 @@ def build(
     """
     if cast not in ("pipeline", "step"):
         raise ConfigError(f"cast must be 'pipeline' or 'step', got {cast!r:.40}")
-    if isinstance(stage_depth, bool) or not isinstance(stage_depth, int) or stage_depth < 1:
-        raise ConfigError(f"stage_depth must be a positive number of batches, got {stage_depth!r}")
+    check_stage_depth(stage_depth)
     schema = queue.schema
     structure = element_structure(schema, mapping)
     if cast == "pipeline":
@@ -173,6 +172,12 @@ def build(
     )
     distributed = strategy.distribute_datasets_from_function(lambda _: ds, options=input_options)
     return distributed, replicas
+
+
+def check_stage_depth(stage_depth: int) -> None:
+    """``ConfigError`` unless ``stage_depth`` is a positive int (batches per replica)."""
+    if isinstance(stage_depth, bool) or not isinstance(stage_depth, int) or stage_depth < 1:
+        raise ConfigError(f"stage_depth must be a positive number of batches, got {stage_depth!r}")
 
 
 def _replicated(strategy: tf.distribute.Strategy | None) -> tf.distribute.Strategy | None:

@@ -50,6 +50,7 @@ class Feed:
         device: str = "auto",
         sink: Any = None,
     ) -> None:
+        pipeline.check_stage_depth(stage_depth)
         self.queue = EagerQueueFeed(schema, capacity, device)
         self.schema = schema
         self.stage_depth = stage_depth
@@ -96,6 +97,8 @@ class Feed:
 
     def cast_layer(self, name: str) -> keras.layers.Layer:
         """A built-in Keras layer doing array ``name``'s cast/scale inside the model."""
+        if name not in self.schema.names:
+            raise ConfigError(f"no array {name!r:.40} in the schema {list(self.schema.names)}")
         return cast_layer(self.schema[name])
 
     def callback(self, prefix: str = "stagefeed_") -> FeedCallback:

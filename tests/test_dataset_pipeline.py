@@ -105,8 +105,10 @@ def test_a_dataset_waiting_on_an_empty_queue_ends_when_the_feed_closes():
     assert (figures.enqueued, figures.in_queue, figures.unaccounted) == (1, 0, 0)
 
 
-def test_bad_stage_depth_and_cast_are_config_errors():
+def test_bad_stage_depth_cast_and_names_are_config_errors():
     with pytest.raises(ConfigError, match="stage_depth"):
-        Feed(SCHEMA, 1, stage_depth=0).dataset()
+        Feed(SCHEMA, 1, stage_depth=0)
     with pytest.raises(ConfigError, match="cast"):
         Feed(SCHEMA, 1).dataset(cast="device")
+    with pytest.raises(ConfigError, match="no array 'pixels'"):
+        Feed(SCHEMA, 1).cast_layer("pixels")
