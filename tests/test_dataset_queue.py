@@ -36,11 +36,21 @@ def test_queue_components_are_the_schema_arrays_then_peer_and_seq_on_the_host():
     assert feed.device == "/cpu:0" == training_device("auto")
 
 
-def test_enqueue_keeps_order_and_identity_and_copies_the_caller_buffer():
+def aligned(array: np.ndarray) -> np.ndarray:
+    """A 64-byte-aligned copy: the kind of buffer a session feed would alias, not copy."""
+    raw = np.empty(array.nbytes + 64, np.uint8)
+    offset = (-raw.ctypes.data) % 64
+    out = raw[offset : offset + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    assert out.ctypes.data % 64 == 0
+    return out
+
+
+def test_enqueue_keeps_order_and_identity_and_copies_even_aligned_caller_buffers():
     feed = EagerQueueFeed(SCHEMA, 4)
-    arrays = batch(1)
+    arrays = {name: aligned(a) for name, a in batch(1).items()}
     assert feed.enqueue(arrays, peer=3, seq=41)
-    arrays["features"][:] = 99  # the queue holds its own copy
+    arrays["features"][:] = 99  # the queue holds its own copy: the caller may reuse its buffer
     assert feed.enqueue(batch(2), peer=5, seq=42)
     assert (feed.size(), feed.enqueued) == (2, 2)
     features, ids, peer, seq = feed.queue.dequeue()
