@@ -1,1 +1,1 @@
-"""Runnable examples of the TF 2 feed: ``python -m examples.NAME`` from the repository root."""
+"""Runnable examples; each is also run by the test suite (tests/test_examples*.py)."""
