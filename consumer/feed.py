@@ -1,0 +1,119 @@
+"""``Feed``: the TF 2 trainer-side feed as one object (queue, dataset, books, Keras hooks).
+
+A sketch of use (docs/tf2.md has the full story)::
+
+    feed = Feed(schema, capacity=64, stage_depth=2, sink=ledger)
+    # receive threads: feed.enqueue(arrays, peer, seq)
+    model.fit(feed.dataset(("images", "labels")), steps_per_epoch=100, epochs=3,
+              callbacks=[feed.callback()])
+    feed.close()
+
+Lifecycle: create eagerly (outside ``tf.function``) -> ``dataset()`` once -> train, booking
+each step (``callback()`` with ``fit``; ``books.step_done()`` in a custom loop) -> ``close()``
+(idempotent: blocked enqueues return False, the dataset ends once the queue is drained).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.schema import Schema
+from stagefeed.consumer import dataset as pipeline
+from stagefeed.consumer.eager_queue import EagerQueueFeed
+from stagefeed.consumer.keras_feed import FeedCallback, cast_layer
+from stagefeed.consumer.step_books import BooksFigures, DequeueLog, StepBooks
+
+# Room in the dequeue log beyond the queue: buffers hold at most a few batches per replica.
+LOG_HEADROOM = 4096
+
+
+class Feed:
+    """Batches from producers into ``fit`` or a custom loop, with per-step books.
+
+    ``capacity``: queue depth in batches (derive it from a byte budget with
+    ``schema.batch_bytes``). ``stage_depth``: batches per replica buffered on the training
+    device ahead of the step. ``sink``: an object with ``trained(peers, seqs)`` (and optionally
+    ``abandoned(peers, seqs)``), e.g. the trainer's ``Ledger``.
+    """
+
+    def __init__(
+        self,
+        schema: Schema,
+        capacity: int,
+        *,
+        stage_depth: int = 2,
+        device: str = "auto",
+        sink: Any = None,
+    ) -> None:
+        pipeline.check_stage_depth(stage_depth)
+        self.queue = EagerQueueFeed(schema, capacity, device)
+        self.schema = schema
+        self.stage_depth = stage_depth
+        self.books = StepBooks(self.queue, DequeueLog(capacity + LOG_HEADROOM), sink)
+        self._dataset: Any = None
+
+    def enqueue(self, arrays: Mapping[str, np.ndarray], peer: int, seq: int) -> bool:
+        """``EagerQueueFeed.enqueue``: blocks while full, False once closed."""
+        return self.queue.enqueue(arrays, peer, seq)
+
+    def dataset(
+        self,
+        mapping: pipeline.ElementMapping = None,
+        *,
+        strategy: tf.distribute.Strategy | None = None,
+        cast: pipeline.CastWhere = "pipeline",
+    ) -> tf.data.Dataset | tf.distribute.DistributedDataset:
+        """The dataset to train on; call once per feed (a queue has one consumer).
+
+        ``mapping``: None (dicts of arrays), ``("images", "labels")``-style names for Keras'
+        ``(x, y[, sample_weight])``, or a callable on the dict. ``strategy``: distribute with
+        a device buffer per replica (default: the strategy in scope, if any); without one the
+        dataset ends in ``prefetch_to_device``. ``cast``: ``"pipeline"`` casts/scales in
+        tf.data on the host; ``"step"`` leaves wire dtypes for ``cast()``/``cast_layer()``.
+        """
+        if self._dataset is not None:
+            raise ConfigError(
+                "dataset() was already called: a feed has one consumer, reuse that dataset"
+            )
+        self._dataset, per_step = pipeline.build(
+            self.queue,
+            self.books.dequeues,
+            mapping=mapping,
+            cast=cast,
+            strategy=strategy,
+            stage_depth=self.stage_depth,
+        )
+        self.books.batches_per_step = per_step
+        return self._dataset
+
+    def cast(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        """The schema's cast/scale, for a step to call on its device (``cast="step"``)."""
+        return pipeline.cast_arrays(self.schema, batch)
+
+    def cast_layer(self, name: str) -> keras.layers.Layer:
+        """A built-in Keras layer doing array ``name``'s cast/scale inside the model."""
+        if name not in self.schema.names:
+            raise ConfigError(f"no array {name!r:.40} in the schema {list(self.schema.names)}")
+        return cast_layer(self.schema[name])
+
+    def callback(self, prefix: str = "stagefeed_") -> FeedCallback:
+        """A Keras callback booking each step and adding the feed's figures to the logs."""
+        return FeedCallback(self, prefix)
+
+    def figures(self) -> BooksFigures:
+        return self.books.figures()
+
+    def close(self) -> None:
+        """Idempotent: stop taking batches; the dataset ends after the queued ones."""
+        self.queue.close()
+
+    def __enter__(self) -> Feed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,82 @@
+"""Keras 3 side of the TF 2 feed: a callback that books each step, and the cast as a layer.
+
+``FeedCallback`` books, after every ``train_function`` call, exactly the batches its steps
+consumed (``steps_per_execution`` steps per call: ``end - begin + 1`` of the batch numbers
+Keras passes), and adds the feed's figures to the batch and epoch logs, hence to ``History``
+and the progress bar. It defines ``on_train_batch_end``, so Keras never dispatches it
+asynchronously: booking happens on the training thread, right after the step.
+
+At the end of an epoch, a feed that is closed and drained sets ``model.stop_training``: a
+finite source or a shutdown ends ``fit`` after the epoch in which the data ran out, instead of
+running the remaining epochs on an ended dataset.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import keras
+from stagefeed.common.schema import ArraySpec
+
+if TYPE_CHECKING:
+    from stagefeed.consumer.feed import Feed
+
+log = logging.getLogger(__name__)
+
+
+def cast_layer(spec: ArraySpec) -> keras.layers.Layer:
+    """``Rescaling(scale, dtype=cast)``: casts the input to ``cast`` then multiplies.
+
+    A built-in layer, so a saved ``.keras`` model reloads without custom objects, and it runs
+    inside the step, on the replica's device: the wire dtype crosses to the device.
+    """
+    return keras.layers.Rescaling(
+        scale=1.0 if spec.scale is None else spec.scale,
+        dtype=spec.cast or spec.dtype,
+        name=f"{spec.name}_cast",
+    )
+
+
+class FeedCallback(keras.callbacks.Callback):
+    """Books trained batches per step and reports ``{prefix}trained``, ``{prefix}abandoned``,
+    ``{prefix}queue_fill`` (queue fraction at the step's end) and ``{prefix}input_wait``
+    (share of the run's wall time the trained batches' dequeues blocked on an empty queue).
+    """
+
+    def __init__(self, feed: Feed, prefix: str = "stagefeed_") -> None:
+        super().__init__()
+        self.feed = feed
+        self.prefix = prefix
+        self._first_step = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.feed.books.begin()
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self._first_step = batch
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.feed.books.step_done(batch - self._first_step + 1)
+        if logs is not None:
+            logs.update(self.feed.books.figures().logs(self.prefix))
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        figures = self.feed.books.figures()
+        if logs is not None:
+            logs.update(figures.logs(self.prefix))
+        if self.feed.queue.closed and figures.queued == 0:
+            log.info("feed closed and drained after epoch %d: stopping fit", epoch + 1)
+            self.model.stop_training = True
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.feed.books.end()
+        figures = self.feed.books.figures()
+        log.info(
+            "fit ended: %d batches trained in %d steps, %d abandoned, %d queued, input wait %.0f%%",
+            figures.trained,
+            figures.steps,
+            figures.abandoned,
+            figures.queued,
+            100 * figures.input_wait,
+        )
