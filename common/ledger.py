@@ -45,6 +45,7 @@ class ProducerStats:
     received_bytes: int = 0
     enqueued: int = 0
     trained: int = 0
+    abandoned: int = 0  # dequeued by a dataset iterator that was dropped before training them
     ended_after: int | None = None  # the producer's ``end``: batches it sent on this connection
     sequence: SequenceTracker = dataclasses.field(default_factory=SequenceTracker)
     trained_sequence: SequenceTracker = dataclasses.field(default_factory=SequenceTracker)
@@ -57,7 +58,7 @@ class Ledger:
     Invariant, per entry, at any quiescent moment::
 
         received == enqueued + in_hand + not_enqueued_at_stop   and
-        enqueued == trained + queued (FIFOQueue + staging / prefetch)
+        enqueued == trained + abandoned + queued (FIFOQueue + staging / prefetch)
 
     Drops are counted apart (by reason), under the entry when the connection has one.
     """
@@ -159,10 +160,32 @@ class Ledger:
         with self._lock:
             return len(self._entries)
 
+    def _gaps(self) -> dict[int, int]:
+        """Sequence numbers lost between two connections of one producer (a cut connection
+        it carried on after): the hole before each later entry of the same name. Lock held.
+        """
+        gaps: dict[int, int] = {}
+        last: dict[str, int] = {}
+        for s in sorted(self._entries.values(), key=lambda s: s.index):
+            if s.sequence.lowest is None:
+                continue
+            previous = last.get(s.label)
+            if previous is not None and s.sequence.lowest > previous + 1:
+                gaps[s.index] = s.sequence.lowest - previous - 1
+            last[s.label] = max(s.sequence.highest, previous if previous is not None else -1)
+        return gaps
+
+    def abandoned(self, indices: Iterable[int], seqs: Iterable[int]) -> None:
+        """Book batches taken off the queue and never trained (a dropped dataset iterator)."""
+        with self._lock:
+            for index, _ in zip(indices, seqs, strict=True):
+                self._entries[int(index)].abandoned += 1
+
     def totals(self) -> dict[str, int]:
         """Cheap aggregate counters for progress lines and metrics."""
         with self._lock:
             entries = self._entries.values()
+            gaps = self._gaps()
             return {
                 "received": sum(s.received for s in entries),
                 "received_bytes": sum(s.received_bytes for s in entries),
@@ -170,7 +193,8 @@ class Ledger:
                 "trained": sum(s.trained for s in entries),
                 "dropped": sum(sum(s.drops.values()) for s in entries)
                 + sum(self._unidentified.values()),
-                "seq_missing": sum(s.sequence.missing for s in entries),
+                "seq_missing": sum(s.sequence.missing for s in entries) + sum(gaps.values()),
+                "abandoned": sum(s.abandoned for s in entries),
             }
 
     def drops_by_reason(self) -> dict[str, int]:
@@ -190,6 +214,7 @@ class Ledger:
         with self._lock:
             out: dict[str, dict] = {}
             labels = collections.Counter(s.label for s in self._entries.values())
+            gaps = self._gaps()
             for s in self._entries.values():
                 # One producer reconnecting opens a second entry under the same name.
                 key = s.label if labels[s.label] == 1 else f"{s.label}#{s.index}"
@@ -197,13 +222,14 @@ class Ledger:
                     "received": s.received,
                     "received_mb": round(s.received_bytes / 2**20, 3),
                     "trained": s.trained,
-                    "queued_at_stop": s.enqueued - s.trained,
+                    "queued_at_stop": s.enqueued - s.trained - s.abandoned,
+                    "abandoned": s.abandoned,
                     "not_enqueued": s.received - s.enqueued,
                     "dropped": dict(s.drops),
                     "ended_after": s.ended_after,
                     "seq_first": s.sequence.lowest,
                     "seq_last": s.sequence.highest,
-                    "seq_missing": s.sequence.missing,
+                    "seq_missing": s.sequence.missing + gaps.get(s.index, 0),
                     "seq_duplicates": s.sequence.duplicates,
                     "trained_duplicates": s.trained_sequence.duplicates,
                     "active_s": round(max(s.last_seen - s.first_seen, 0.0), 3),

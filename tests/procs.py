@@ -23,17 +23,25 @@ QUEUE_MB = 4
 TRAINER_FLAGS = [*TINY, "--steps", "0", "--queue-mb", str(QUEUE_MB), "--progress-s", "1"]
 # glibc keeps freed batch-sized buffers in its per-thread arenas (its mmap threshold rises to
 # the size of the last large free), so RSS can sit above the live bytes by a few batches per
-# thread that handles them. Measured here: 5-20 MiB above the bytes in flight.
-ALLOCATOR_ALLOWANCE_MIB = 32
+# thread that handles them. Measured here: 5-20 MiB above the bytes in flight with the old
+# proxy receive path; 40-80 MiB with the intake (libzmq's I/O threads allocate each frame,
+# enqueue threads free it, TensorFlow copies it: more arenas touch every batch). A plateau,
+# not growth: five samples under a flood went 816, 783, 753, 755, 780 MiB.
+ALLOCATOR_ALLOWANCE_MIB = 96
 
 
 def trainer_budget_mib(
     producers: int, max_message_mb: float = 0.0, stage_depth: int = 2, recv_threads: int = 2
 ) -> float:
-    """The trainer's bound on bytes held (``TrainerOptions`` docstring) for these tests."""
+    """The trainer's bound on bytes held (``TrainerOptions`` docstring) for these tests: the
+    queue, staged batches and the one in a step, the credit pool (``recv_threads + 2``),
+    TensorFlow's copy per enqueue thread, and a receive high-water mark of 2 messages per
+    connection for peers that ignore flow control.
+    """
     batch = BATCH_BYTES / MIB
     message = max_message_mb or batch + 1
-    return QUEUE_MB + (stage_depth + 2 + 4 * recv_threads) * batch + 2 * producers * message
+    held = (stage_depth + 1) + (recv_threads + 2) + recv_threads
+    return QUEUE_MB + held * batch + 2 * producers * message
 
 
 class Spawner:
@@ -176,7 +184,7 @@ class Metrics:
 
 def producer_ids_of(worker_pid: int, names: Iterable[str]) -> list[str]:
     """Producer ids (``host-PID-INDEX-NONCE``) that belong to the worker process ``worker_pid``."""
-    return [n for n in names if re.fullmatch(rf".+-{worker_pid}-\d+-[0-9a-f]{{4}}", n)]
+    return [n for n in names if re.fullmatch(rf".+-{worker_pid}-\d+-[0-9a-f]{{4}}( key \S+)?", n)]
 
 
 def workers_of(started, count: int, timeout: float = 60) -> list[psutil.Process]:

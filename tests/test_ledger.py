@@ -98,3 +98,28 @@ def test_concurrent_accepts_are_all_booked():
     for t in threads:
         t.join()
     assert ledger.totals()["received"] == 2000
+
+
+def test_a_producer_carrying_on_after_a_cut_connection_shows_the_hole_as_missing():
+    ledger = Ledger()
+    first = ledger.open("p")
+    for seq in range(4):
+        ledger.accept(first, seq, 1)
+    second = ledger.open("p")  # the same producer, reconnected; seq 4 was lost on the wire
+    for seq in range(5, 8):
+        ledger.accept(second, seq, 1)
+    assert ledger.totals()["seq_missing"] == 1
+    summary = ledger.summary()
+    assert summary[f"p#{first}"]["seq_missing"] == 0 and summary[f"p#{second}"]["seq_missing"] == 1
+
+
+def test_abandoned_batches_are_not_counted_as_queued():
+    ledger = Ledger()
+    a = ledger.open("a")
+    for seq in range(3):
+        ledger.accept(a, seq, 1)
+        ledger.enqueued(a)
+    ledger.trained([a], [0])
+    ledger.abandoned([a], [1])
+    summary = ledger.summary()["a"]
+    assert (summary["trained"], summary["abandoned"], summary["queued_at_stop"]) == (1, 1, 1)
