@@ -124,10 +124,11 @@ def _served(port: int = 0) -> tuple[MetricsServer, Trainer, StepCounters]:
 def test_scrape_reports_the_books_and_close_joins_the_thread() -> None:
     server, trainer, counters = _served()
     try:
-        trainer.ledger.accept("prod-a", 0, SPEC.batch_bytes)
-        trainer.ledger.accept("prod-a", 2, SPEC.batch_bytes)  # seq 1 missing
-        trainer.ledger.trained([0], [0])
-        trainer.ledger.accept("prod-a", 2, SPEC.batch_bytes)  # duplicate
+        index = trainer.ledger.open("prod-a")
+        trainer.ledger.accept(index, 0, SPEC.batch_bytes)
+        trainer.ledger.accept(index, 2, SPEC.batch_bytes)  # seq 1 missing
+        trainer.ledger.trained([index], [0])
+        trainer.ledger.accept(index, 2, SPEC.batch_bytes)  # duplicate
         counters.add(StepRecord(1, True, 0.25, 0.5, 3.5, 0, 0.0))
         metrics = scrape(server.address)
     finally:

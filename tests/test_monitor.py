@@ -48,8 +48,9 @@ def _trainer() -> Trainer:
 def _steps(monitor: Monitor, trainer: Trainer, specs: list[tuple[bool, float, float]]) -> None:
     """Feed (timed, wait_s, step_s) steps, each ending ``wait_s + step_s`` after the last."""
     at = time.monotonic()
+    index = trainer.ledger.open("prod-a")
     for n, (timed, wait_s, step_s) in enumerate(specs, start=1):
-        trainer.ledger.accept("prod-a", n, 100)
+        trainer.ledger.accept(index, n, 100)
         at += wait_s + step_s
         record = StepRecord(n, timed, wait_s, step_s, 6.9, 0, at)
         trainer.records.append(record)

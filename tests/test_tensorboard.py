@@ -64,7 +64,10 @@ def test_a_real_run_writes_scalars_tensorboard_can_read(tmp_path) -> None:
         assert scalars["step/ms"][step] == pytest.approx(wait + compute, rel=1e-5)
         assert 0 <= scalars["step/queue_batches"][step] <= summary["queue_capacity"]
     assert scalars["step/loss"][1] == pytest.approx(summary["loss_first"], rel=1e-4)
-    assert scalars["step/loss"][total] == pytest.approx(summary["loss_last"], rel=1e-4)
+    if summary["loss_last"] is None:  # the seed's AlexNet diverges on batches of 2
+        assert math.isnan(scalars["step/loss"][total])
+    else:
+        assert scalars["step/loss"][total] == pytest.approx(summary["loss_last"], rel=1e-4)
 
     # Window figures: written at the last step of each window, the final one at the end.
     assert max(scalars["input/stall_pct"]) == total
@@ -78,7 +81,12 @@ def test_a_real_run_writes_scalars_tensorboard_can_read(tmp_path) -> None:
     (producer,) = summary["producers"]
     assert f"producers/batches_per_s/{producer}" in scalars
     assert scalars["drops/total"][total] == 0
-    assert all(math.isfinite(v) for series in scalars.values() for v in series.values())
+    assert all(
+        math.isfinite(v)
+        for tag, series in scalars.items()
+        if tag != "step/loss"  # NaN once the seed's AlexNet diverged (batches of 2)
+        for v in series.values()
+    )
     assert texts == {"advice": summary["advice"]}
     assert plugins["advice"] == "text"
 
