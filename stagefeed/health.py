@@ -4,14 +4,14 @@ Made for container healthchecks (docker/compose.yaml): it runs inside the traine
 with the trainer's environment, so by default it checks the address ``STAGEFEED_BIND`` names,
 seen from the same host (``tcp://*:5555`` -> ``tcp://127.0.0.1:5555``).
 
-Healthy means exactly one thing: a PUSH socket, set up like a producer's, completed the ZMTP
-handshake with a PULL socket at the address, so a producer with these settings could deliver.
+Healthy means exactly one thing: a DEALER socket, set up like a producer's, completed the ZMTP
+handshake with a ROUTER socket at the address, so a producer with these settings could deliver.
 For a CURVE trainer the check needs ``--curve-keys`` (``STAGEFEED_CURVE_KEYS``, the directory
 the trainer uses, which holds a producer key pair it admits); it then handshakes as a CURVE
 client and the trainer's ZAP handler admits it like a producer.
 
 Unhealthy: connection refused (not listening: still building the graph, or the trainer
-ended); a failed handshake (not a PULL socket, a security mechanism that differs, or a key the
+ended); a failed handshake (not a ROUTER socket, a security mechanism that differs, or a key the
 trainer does not list; libzmq does not always say which, so the message names all three); no
 answer within ``--timeout-s``.
 
@@ -54,7 +54,7 @@ def local_endpoint(bind: str) -> str:
 def check(
     endpoint: str, timeout_s: float, configure: Callable[[Any], None] | None = None
 ) -> tuple[bool, str]:
-    """Connect a PUSH socket to ``endpoint`` and watch its handshake; (healthy, why).
+    """Connect a DEALER socket to ``endpoint`` and watch its handshake; (healthy, why).
 
     ``configure(socket)`` runs before the connect (``common.curve.client_configurator``).
     """
@@ -62,7 +62,7 @@ def check(
     import zmq.utils.monitor
 
     ctx = zmq.Context(io_threads=1)
-    sock = ctx.socket(zmq.PUSH)
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if configure is not None:
         configure(sock)
@@ -90,7 +90,7 @@ def check(
 def _verdict(zmq: Any, event: int, value: int, endpoint: str) -> tuple[bool, str] | None:
     """The result a monitor event settles, or None while the handshake is still going."""
     if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-        return True, f"a ZeroMQ PULL socket answered at {endpoint}"
+        return True, f"a ZeroMQ ROUTER socket answered at {endpoint}"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return False, f"the peer at {endpoint} uses another security mechanism (--curve-keys?)"
@@ -99,13 +99,13 @@ def _verdict(zmq: Any, event: int, value: int, endpoint: str) -> tuple[bool, str
         return False, f"the peer at {endpoint} refused our key (ZAP status {value})"
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
         return False, (
-            f"the handshake with {endpoint} failed: not a PULL socket, another security "
+            f"the handshake with {endpoint} failed: not a ROUTER socket, another security "
             "mechanism, or a key it does not list"
         )
     if event == zmq.EVENT_CONNECT_RETRIED:
         return False, f"nothing is listening at {endpoint} (connection refused)"
     if event == zmq.EVENT_DISCONNECTED:
-        return False, f"the peer at {endpoint} hung up during the handshake (not a PULL socket?)"
+        return False, f"the peer at {endpoint} hung up during the handshake (not a ROUTER socket?)"
     return None
 
 

@@ -38,16 +38,16 @@ def bound(ctx: zmq.Context, kind: int, curve: bool = False) -> tuple[zmq.Socket,
     return sock, f"tcp://127.0.0.1:{port}"
 
 
-def test_a_pull_socket_is_healthy(ctx):
-    _, endpoint = bound(ctx, zmq.PULL)
+def test_a_router_socket_is_healthy(ctx):
+    _, endpoint = bound(ctx, zmq.ROUTER)
     healthy, why = health.check(endpoint, timeout_s=5)
     assert healthy, why
-    assert "PULL" in why
+    assert "ROUTER" in why
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
 def test_a_curve_trainer_is_unhealthy_to_a_check_without_keys(ctx):
-    _, endpoint = bound(ctx, zmq.PULL, curve=True)
+    _, endpoint = bound(ctx, zmq.ROUTER, curve=True)
     healthy, why = health.check(endpoint, timeout_s=5)
     assert not healthy
     assert "security mechanism" in why, why
@@ -55,11 +55,11 @@ def test_a_curve_trainer_is_unhealthy_to_a_check_without_keys(ctx):
 
 @pytest.fixture
 def curve_trainer_socket(ctx, tmp_path):
-    """A PULL socket set up as the trainer sets up its own with --curve-keys (real ZAP)."""
+    """A ROUTER socket set up as the trainer sets up its own with --curve-keys (real ZAP)."""
     keys = tmp_path / "keys"
     write_keys(str(keys), clients=0)
     server = curve.server_configurator(str(keys))
-    sock = ctx.socket(zmq.PULL)
+    sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     server(sock)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -73,7 +73,7 @@ def test_with_the_trainers_keys_the_check_completes_a_curve_handshake(curve_trai
     keys, endpoint = curve_trainer_socket
     healthy, why = health.check(endpoint, 5, curve.client_configurator(keys))
     assert healthy, why
-    assert "PULL" in why and "CURVE" in why
+    assert "ROUTER" in why and "CURVE" in why
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
@@ -93,10 +93,10 @@ def test_nothing_listening_is_unhealthy():
 
 
 def test_a_socket_of_the_wrong_type_is_unhealthy(ctx):
-    _, endpoint = bound(ctx, zmq.PUB)  # ZeroMQ, but not something that takes PUSHed batches
+    _, endpoint = bound(ctx, zmq.PUB)  # ZeroMQ, but not something a DEALER can talk to
     healthy, why = health.check(endpoint, timeout_s=5)
     assert not healthy
-    assert "not a PULL socket" in why, why
+    assert "not a ROUTER socket" in why, why
 
 
 def test_a_peer_that_is_not_zeromq_is_unhealthy():
@@ -157,7 +157,7 @@ def test_local_endpoint_rejects_what_it_cannot_check(bind):
 
 
 def test_cli_reads_the_address_from_stagefeed_bind(ctx):
-    _, endpoint = bound(ctx, zmq.PULL)
+    _, endpoint = bound(ctx, zmq.ROUTER)
     port = endpoint.rsplit(":", 1)[1]
     ok = run_cli(["health"], timeout=30, env=cli_env(STAGEFEED_BIND=f"tcp://*:{port}"))
     assert ok.returncode == 0, ok.stdout + ok.stderr
