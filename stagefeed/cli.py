@@ -55,7 +55,15 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add(
         g, "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
     )
-    envflags.add(g, "--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    envflags.add(
+        g,
+        "--metrics-bind",
+        default="127.0.0.1",
+        help="address the metrics endpoint listens on (0.0.0.0: every interface)",
+    )
+    envflags.add_switch(
+        g, "--metrics-producer-labels", help="per-producer metrics, labelled with producer ids"
+    )
     envflags.add(g, "--advice-s", type=float, default=300.0, help="seconds between advice lines")
     envflags.add(
         g, "--wire-mb-s", type=float, default=1400.0, help="MiB/s the producers' link carries"

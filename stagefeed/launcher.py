@@ -63,7 +63,8 @@ def observe_options(args: argparse.Namespace) -> ObserveOptions:
         progress_s=args.progress_s,
         logdir=args.logdir,
         metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
+        metrics_bind=args.metrics_bind,
+        metrics_producer_labels=args.metrics_producer_labels,
         advice_s=args.advice_s,
         wire_mb_s=args.wire_mb_s,
     )
