@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from stagefeed.common.errors import ClosedError
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.paths import check_writable_dir, check_writable_file
 from stagefeed.producer.pool import ProducerPool
 
 if TYPE_CHECKING:
@@ -47,6 +48,14 @@ def _check_client_keys(options: ProducerOptions) -> None:
         client_configurator(options.curve_keys)
 
 
+def _check_outputs(json_path: str | None, logdir: str | None) -> None:
+    """Every path the trainer will write, tried now: not after an hour of training."""
+    if json_path:
+        check_writable_file("--json", json_path)
+    if logdir:
+        check_writable_dir("--logdir", logdir)
+
+
 def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | None:
     if not options.curve_keys:
         return None
@@ -76,20 +85,28 @@ def _finish(
     stop: threading.Event,
     json_path: str | None,
     final: dict[str, Any] | None = None,
-) -> None:
+) -> int:
+    """Print and write the summary; the exit code: 1 if the JSON could not be written after
+    all (the text summary is on stdout), else 0."""
     from stagefeed.consumer.summary import format_text, summarize, write_json
 
     summary = summarize(trainer, time.monotonic() - started, interrupted=stop.is_set())
     summary.update(final or {})  # "advice" and "bottleneck" from the Monitor
     print(format_text(summary), flush=True)
     if json_path:
-        write_json(summary, json_path)
-        log.info("summary written to %s", json_path)
+        try:
+            write_json(summary, json_path)
+            log.info("summary written to %s", json_path)
+        except OSError as exc:
+            log.error("cannot write the summary to %s: %s", json_path, exc)
+            return 1
+    return 0
 
 
 def train(options: TrainerOptions, json_path: str | None, observe: ObserveOptions) -> int:
     """Listen, train ``options.steps`` steps (or until a signal), print the summary."""
-    from stagefeed.consumer.monitor import Monitor
+    _check_outputs(json_path, observe.logdir)
+    from stagefeed.consumer.monitor import Monitor  # TensorFlow loads here (seconds)
     from stagefeed.consumer.trainer import Trainer
 
     stop = threading.Event()
@@ -110,8 +127,7 @@ def train(options: TrainerOptions, json_path: str | None, observe: ObserveOption
         finally:
             trainer.close()
             restore()
-    _finish(trainer, started, stop, json_path, monitor.final)
-    return 0
+    return _finish(trainer, started, stop, json_path, monitor.final)
 
 
 def run_local(
@@ -120,9 +136,6 @@ def run_local(
     producer_options: Callable[[argparse.Namespace, str, int], ProducerOptions],
 ) -> int:
     """The main job: a trainer and ``--producers`` producer processes on loopback."""
-    from stagefeed.consumer.monitor import Monitor
-    from stagefeed.consumer.trainer import Trainer
-
     ipc_path = None
     if args.transport == "ipc":
         ipc_path = os.path.join(tempfile.gettempdir(), f"stagefeed-{os.getpid()}.sock")
@@ -132,7 +145,12 @@ def run_local(
     options = trainer_options(args, bind)
     # Validate the producers' options before anything starts (endpoint filled in below).
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
-    monitor = Monitor(observe_options(args))
+    observe = observe_options(args)
+    _check_outputs(args.json, observe.logdir)
+    from stagefeed.consumer.monitor import Monitor  # TensorFlow loads here (seconds)
+    from stagefeed.consumer.trainer import Trainer
+
+    monitor = Monitor(observe)
     stop = threading.Event()
     restore = on_stop_signals(lambda _sig: stop.set())
     trainer = Trainer(options, [monitor], _server_configurator(options))
@@ -159,9 +177,9 @@ def run_local(
             restore()
             if ipc_path and os.path.exists(ipc_path):
                 os.unlink(ipc_path)
-    _finish(trainer, started, stop, args.json, monitor.final)
+    code = _finish(trainer, started, stop, args.json, monitor.final)
     sys.stdout.flush()
-    return 0
+    return code
 
 
 def _pool_check(pool: ProducerPool) -> Callable[[], None]:
