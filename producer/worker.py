@@ -13,7 +13,8 @@ from typing import Any
 
 import zmq
 from stagefeed.common import protocol
-from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
+from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions
 from stagefeed.producer.sender import BatchSender
@@ -22,7 +23,7 @@ from stagefeed.producer.sources import open_source
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 30.0
-_flushing = threading.Event()
+POLL_S = 0.1
 
 
 def producer_id(index: int) -> str:
@@ -31,38 +32,65 @@ def producer_id(index: int) -> str:
     return f"{host}-{os.getpid()}-{index}-{secrets.token_hex(2)}"
 
 
-class _ParentWatch:
-    """Stop flag that is also set when the parent process dies (no orphans left running)."""
+class _Stop:
+    """The worker's stop condition: the pool's shared flag, a signal to this process, or the
+    death of the parent (no orphans left running).
 
-    def __init__(self, stop: Any) -> None:
-        self._stop = stop
-        self._parent = os.getppid()
+    A signal only sets ``signalled``, a plain attribute: the shared flag takes a lock in
+    ``is_set()``, and a signal handler that took it too could deadlock the code it interrupted.
+    """
+
+    def __init__(self, shared: Any, parent_pid: int) -> None:
+        self._shared = shared
+        self._parent = parent_pid
+        self.signalled = False
 
     def is_set(self) -> bool:
-        return self._stop.is_set() or os.getppid() != self._parent
+        return self.signalled or self._shared.is_set() or os.getppid() != self._parent
 
 
-def worker_main(options: ProducerOptions, index: int, stop: Any, log_level: int) -> None:
-    """Entry point of a spawned producer process; exits 0 on a clean stop."""
+class _Discarded(Exception):
+    """A stop was requested while ZeroMQ still delivered the last batches."""
+
+
+def worker_main(
+    options: ProducerOptions, index: int, stop: Any, log_level: int, parent_pid: int | None = None
+) -> None:
+    """Entry point of a spawned producer process; exits 0 on a clean stop.
+
+    The pool starts it with SIGINT and SIGTERM blocked; they are unblocked once the handler is
+    in place. The first signal stops the producer like the pool's flag does; a second one ends
+    the process at once (the supervisor is shutting down in a hurry).
+    """
     setup_logging(log_level)
+    watch = _Stop(stop, parent_pid if parent_pid is not None else os.getppid())
 
     def on_signal(*_: object) -> None:
-        # The supervisor owns shutdown: a signal sets the stop flag. While the last batches
-        # are being delivered (ZeroMQ linger inside ``Context.term``), stopping means
-        # discarding them: exit at once.
-        if _flushing.is_set():
+        if watch.signalled:
             os._exit(0)
-        stop.set()
+        watch.signalled = True
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
-        sent = produce(options, index, _ParentWatch(stop))
+        sent = produce(options, index, watch)
     except ClosedError:
         return
+    except _Discarded as exc:
+        log.info("producer %d: %s", index, exc)
+        os._exit(0)  # ZeroMQ's context is still terminating on the flush thread
     except BrokenError as exc:
         log.error("producer %d: %s", index, exc)
         raise SystemExit(3) from None
+    except ConfigError as exc:  # a user source's bad batch: its message names it
+        log.error("producer %d: %s", index, exc)
+        raise SystemExit(2) from None
+    finally:
+        # Done: CPython puts the default actions back while it exits, and a late Ctrl-C would
+        # then turn this exit into a death by SIGINT, which the pool would report as a failure.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     log.debug("producer %d finished after %d batches", index, sent)
 
 
@@ -125,8 +153,8 @@ def produce(options: ProducerOptions, index: int, stop: Any) -> int:
                 held,
                 FLUSH_TIMEOUT_S,
             )
-            _flushing.set()
             sender.close(flush_s=FLUSH_TIMEOUT_S)
+            _term_unless_stopped(ctx, stop, held)
         else:
             log.info(
                 "producer %s stopped: %d batches handed to ZeroMQ (seq 0..%d); %d still held "
@@ -137,5 +165,18 @@ def produce(options: ProducerOptions, index: int, stop: Any) -> int:
                 held,
             )
             sender.close()
-        ctx.term()  # waits for the linger of a finished producer
+            ctx.term()
     return seq
+
+
+def _term_unless_stopped(ctx: zmq.Context, stop: Any, held: int) -> None:
+    """``ctx.term()`` waits while ZeroMQ delivers what it holds (the linger); a stop request
+    meanwhile discards the rest (``_Discarded``), as a stopped producer does."""
+    flusher = threading.Thread(target=ctx.term, name="stagefeed-flush", daemon=True)
+    flusher.start()
+    while flusher.is_alive():
+        flusher.join(POLL_S)
+        if flusher.is_alive() and stop.is_set():
+            raise _Discarded(
+                f"stop requested while delivering the last batches: up to {held} discarded"
+            )

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from stagefeed import envflags
 from stagefeed.common.errors import BrokenError, ConfigError
+from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.spec import IMAGE_DTYPES, BatchSpec
@@ -161,22 +162,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _produce(args: argparse.Namespace) -> int:
-    from stagefeed.launcher import produce
+# Each command runs under a Shutdown installed first: from then on SIGINT and SIGTERM stop it
+# and never raise; once it is over they are ignored while the interpreter exits.
 
-    return produce(producer_options(args, args.connect, args.workers))
+
+def _produce(args: argparse.Namespace) -> int:
+    shutdown = Shutdown().install()
+    try:
+        from stagefeed.launcher import produce
+
+        return produce(producer_options(args, args.connect, args.workers), shutdown)
+    finally:
+        shutdown.finish()
 
 
 def _train(args: argparse.Namespace) -> int:
-    from stagefeed.launcher import observe_options, train
+    shutdown = Shutdown().install()
+    try:
+        from stagefeed.launcher import observe_options, train
 
-    return train(trainer_options(args, args.bind), args.json, observe_options(args))
+        return train(trainer_options(args, args.bind), args.json, observe_options(args), shutdown)
+    finally:
+        shutdown.finish()
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stagefeed.launcher import run_local
+    shutdown = Shutdown().install()
+    try:
+        from stagefeed.launcher import run_local
 
-    return run_local(args, trainer_options, producer_options)
+        return run_local(args, trainer_options, producer_options, shutdown)
+    finally:
+        shutdown.finish()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
