@@ -8,21 +8,23 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from stagefeed.common import endpoints
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.protocol import MAX_HEADER_BYTES as HEADER
 from stagefeed.common.schema import DEFAULT_SCHEMA, Schema
 
-_ENDPOINT = re.compile(r"(tcp://[^\s]+:(\d+|\*)|ipc://[^\s]+|inproc://[^\s]+)")
 DEVICES = ("auto", "cpu", "gpu")
 MIB = 2**20
 MAX_UNSENT = 64  # batches a producer holds at most, however small: credit bounds sends anyway
 
 
 def check_endpoint(field: str, value: str) -> None:
-    if not isinstance(value, str) or not _ENDPOINT.fullmatch(value):
-        raise ConfigError(
-            f"{field} must look like tcp://HOST:PORT or ipc:///path/to/socket, got {value!r}"
-        )
+    """``ConfigError`` naming ``field`` and ``value`` unless ``value`` is a usable endpoint.
+
+    A field named like a bind address (``bind``, ``STAGEFEED_BIND``) may use wildcards (host
+    ``*``, port ``*`` or 0, ``ipc://*``); any other field names an address to connect to.
+    """
+    endpoints.parse(field, value, bind=field.lower().endswith("bind"))
 
 
 def _positive(field: str, value: float, *, zero_ok: bool = False) -> None:

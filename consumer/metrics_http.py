@@ -4,17 +4,27 @@ Metrics are collected when scraped (a custom collector reads one ``Snapshot``), 
 loop pays nothing for them. Counters are cumulative since the trainer started, warm-up steps
 included; rates and the stall ratio are the scraper's job (PromQL in docs/observability.md).
 
-One thread, ``stagefeed-metrics-http``, answers requests one at a time; it polls a stop flag
-every ``POLL_S`` and a client gets ``REQUEST_TIMEOUT_S`` to send its request, so ``close()``
-returns within a few seconds whatever the clients do.
+Per-producer series (labelled with producer ids, which name hosts and pids) are exported only
+with ``producer_labels``; otherwise those counters are aggregates. The server listens on
+loopback unless told otherwise (``--metrics-bind``).
+
+Clients are served concurrently: the thread ``stagefeed-metrics-http`` accepts, and each
+connection gets a daemon thread ``stagefeed-metrics-client`` and at most ``CLIENT_TIMEOUT_S``
+in all (request and response; an idle or trickling client is cut then), so one slow client
+never delays a scrape. At most ``MAX_CLIENTS`` connections are served at once; more are closed
+at once. ``close()`` cuts every connection and returns within about a second.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import HTTPServer
+from socketserver import TCPServer
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -30,17 +40,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
-REQUEST_TIMEOUT_S = 5.0
-JOIN_TIMEOUT_S = REQUEST_TIMEOUT_S + 2.0
+CLIENT_TIMEOUT_S = 2.0  # a connection's whole time: request in, response out
+MAX_CLIENTS = 8
+JOIN_TIMEOUT_S = 1.0
 PREFIX = "stagefeed_"
 
 
 class StagefeedCollector:
     """Yields the metric families of one snapshot (names in docs/observability.md)."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot], trainer: Trainer) -> None:
+    def __init__(
+        self, snapshot: Callable[[], Snapshot], trainer: Trainer, producer_labels: bool = False
+    ) -> None:
         self._snapshot = snapshot
         self._trainer = trainer
+        self._producer_labels = producer_labels
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -92,24 +106,7 @@ class StagefeedCollector:
         yield counter("received_bytes", "Bytes of valid batches received", snap.received_bytes)
         yield gauge("producers_seen", "Producers that delivered a valid batch", len(snap.producers))
 
-        received = CounterMetricFamily(
-            PREFIX + "received_batches", "Valid batches received", labels=["producer"]
-        )
-        trained = CounterMetricFamily(
-            PREFIX + "trained_batches", "Batches trained on", labels=["producer"]
-        )
-        missing = GaugeMetricFamily(
-            PREFIX + "sequence_missing_batches",
-            "Sequence numbers never received between a producer's lowest and highest",
-            labels=["producer"],
-        )
-        for name, p in sorted(snap.producers.items()):
-            received.add_metric([name], p.received)
-            trained.add_metric([name], p.trained)
-            missing.add_metric([name], p.seq_missing)
-        yield received
-        yield trained
-        yield missing
+        yield from self._per_producer(snap)
         dropped = CounterMetricFamily(
             PREFIX + "dropped_messages", "Messages dropped, by reason", labels=["reason"]
         )
@@ -126,12 +123,98 @@ class StagefeedCollector:
             connections.add_metric([event], n)
         yield connections
 
+    def _per_producer(self, snap: Snapshot) -> Iterator[Metric]:
+        """Per producer id with ``producer_labels``, else one series each, summed."""
+        families = [
+            (CounterMetricFamily, "received_batches", "Valid batches received", "received"),
+            (CounterMetricFamily, "trained_batches", "Batches trained on", "trained"),
+            (
+                GaugeMetricFamily,
+                "sequence_missing_batches",
+                "Sequence numbers never received between a producer's lowest and highest",
+                "seq_missing",
+            ),
+        ]
+        producers = sorted(snap.producers.items())
+        for kind, name, doc, attr in families:
+            if not self._producer_labels:
+                yield kind(PREFIX + name, doc, value=sum(getattr(p, attr) for _, p in producers))
+                continue
+            family = kind(PREFIX + name, doc, labels=["producer"])
+            for producer, p in producers:
+                family.add_metric([producer], getattr(p, attr))
+            yield family
+
 
 class _Server(HTTPServer):
-    timeout = POLL_S  # handle_request() returns after this long without a request
+    """Accepts on one thread, serves each connection on its own; see the module docstring."""
+
+    timeout = POLL_S  # handle_request() returns after this long without a connection
+
+    def __init__(self, address: tuple[str, int], handler: type, ipv6: bool) -> None:
+        self.address_family = socket.AF_INET6 if ipv6 else socket.AF_INET
+        self._lock = threading.Lock()
+        self._clients: dict[socket.socket, float] = {}  # open connection -> its deadline
+        self._client_threads: set[threading.Thread] = set()
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind looks the host up in DNS (getfqdn), which can stall the start.
+        TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            full = len(self._clients) >= MAX_CLIENTS
+            if not full:
+                self._clients[request] = time.monotonic() + CLIENT_TIMEOUT_S
+        if full:
+            log.debug("metrics client %s refused: %d connections open", client_address, MAX_CLIENTS)
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name="stagefeed-metrics-client",
+            daemon=True,
+        )
+        with self._lock:
+            self._client_threads.add(thread)
+        thread.start()
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - one client's failure must not end the server
+            self.handle_error(request, client_address)
+        finally:
+            with self._lock:  # out of the table before it is closed: cut() never sees it closed
+                self._clients.pop(request, None)
+                self._client_threads.discard(threading.current_thread())
+            self.shutdown_request(request)
+
+    def cut(self, overdue_only: bool = True) -> None:
+        """Shut down the connections past their deadline (all of them with ``False``): the
+        client's thread then reads EOF or fails to write, and ends."""
+        now = time.monotonic()
+        with self._lock:
+            for sock, deadline in self._clients.items():
+                if not overdue_only or now >= deadline:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass  # the client is already gone
+
+    def client_threads(self) -> list[threading.Thread]:
+        with self._lock:
+            return list(self._client_threads)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        log.exception("metrics request from %s failed", client_address)
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # timed out, cut, reset: the client's problem
+            log.debug("metrics client %s: %s", client_address, exc)
+        else:
+            log.exception("metrics request from %s failed", client_address)
 
 
 class MetricsServer:
@@ -141,29 +224,37 @@ class MetricsServer:
     """
 
     def __init__(
-        self, snapshot: Callable[[], Snapshot], trainer: Trainer, host: str, port: int
+        self,
+        snapshot: Callable[[], Snapshot],
+        trainer: Trainer,
+        host: str,
+        port: int,
+        producer_labels: bool = False,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StagefeedCollector(snapshot, trainer))
+        self.registry.register(StagefeedCollector(snapshot, trainer, producer_labels))
         ProcessCollector(registry=self.registry)
-        self._host, self._port = host, port
+        self._host, self._port = host.strip("[]"), port
         self._stop = threading.Event()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
-        self.address = ""
+        self.address = ""  # host:port as bound ([host]:port for IPv6)
+        self.bound: tuple[str, int] = ("", 0)
 
     def start(self) -> MetricsServer:
         handler = type(
             "StagefeedMetricsHandler",
             (MetricsHandler,),
-            {"registry": self.registry, "timeout": REQUEST_TIMEOUT_S},
+            {"registry": self.registry, "timeout": CLIENT_TIMEOUT_S},
         )
+        ipv6 = ":" in self._host
         try:
-            self._server = _Server((self._host, self._port), handler)
+            self._server = _Server((self._host, self._port), handler, ipv6)
         except (OSError, OverflowError) as exc:
             raise ConfigError(f"cannot serve metrics on {self._host}:{self._port}: {exc}") from None
         host, port = self._server.server_address[:2]
-        self.address = f"{host}:{port}"
+        self.bound = (host, port)
+        self.address = f"[{host}]:{port}" if ipv6 else f"{host}:{port}"
         # Daemon only as a last resort: close() stops and joins it; if a join ever times out
         # (logged), the process can still exit.
         self._thread = threading.Thread(
@@ -177,6 +268,7 @@ class MetricsServer:
         assert self._server is not None
         while not self._stop.is_set():
             self._server.handle_request()
+            self._server.cut()
 
     def close(self) -> None:
         if self._server is None or self._stop.is_set():
@@ -184,4 +276,6 @@ class MetricsServer:
         self._stop.set()
         if self._thread is not None:
             join_threads([self._thread], JOIN_TIMEOUT_S)
+        self._server.cut(overdue_only=False)
+        join_threads(self._server.client_threads(), JOIN_TIMEOUT_S)
         self._server.server_close()

@@ -18,6 +18,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+from stagefeed.common.endpoints import host_problem
 from stagefeed.common.errors import ConfigError
 from stagefeed.consumer.advice import DEFAULT_WIRE_MB_S, Advice, advise
 from stagefeed.consumer.figures import (
@@ -46,7 +47,9 @@ class ObserveOptions:
     progress_s: float = 5.0  # seconds between progress log lines (terminal: 0.5 s)
     logdir: str | None = None  # TensorBoard event files go here
     metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
-    metrics_host: str = "0.0.0.0"  # an operator's Prometheus scrapes from elsewhere
+    # Loopback unless told: producer ids and the trainer's figures are not for every network.
+    metrics_bind: str = "127.0.0.1"
+    metrics_producer_labels: bool = False  # per-producer series, labelled with producer ids
     advice_s: float = 300.0  # seconds between advice lines during a run
     wire_mb_s: float = DEFAULT_WIRE_MB_S  # what the producers' link carries (advice only)
     tensorboard_s: float = 2.0  # seconds between TensorBoard flushes
@@ -61,8 +64,9 @@ class ObserveOptions:
             raise ConfigError(f"metrics_port must be in [0, 65535], got {port!r}")
         if self.logdir is not None and not self.logdir.strip():
             raise ConfigError(f"logdir must name a directory, got {self.logdir!r}")
-        if not self.metrics_host:
-            raise ConfigError(f"metrics_host must be an address, got {self.metrics_host!r}")
+        why = host_problem(self.metrics_bind, wildcard_ok=False)
+        if why:
+            raise ConfigError(f"metrics_bind {self.metrics_bind!r}: {why}")
 
 
 class Monitor:
@@ -99,7 +103,11 @@ class Monitor:
                     "install it with pip install 'stagefeed[metrics]'"
                 ) from None
             self._metrics = MetricsServer(
-                self.snapshot, trainer, opts.metrics_host, opts.metrics_port
+                self.snapshot,
+                trainer,
+                opts.metrics_bind,
+                opts.metrics_port,
+                producer_labels=opts.metrics_producer_labels,
             ).start()
             self.metrics_address = self._metrics.address
         if opts.logdir is not None:

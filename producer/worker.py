@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, StagefeedError
+from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions
 from stagefeed.producer.channel import TrainerChannel
@@ -48,14 +49,20 @@ def worker_info(options: ProducerOptions, index: int) -> WorkerInfo:
 
 
 class _ParentWatch:
-    """Stop flag that is also set when the parent process dies (no orphans left running)."""
+    """The worker's stop condition: the pool's shared flag, a signal to this process, or the
+    death of the parent (no orphans left running).
+
+    A signal only sets ``signalled``, a plain attribute: the shared flag takes a lock in
+    ``is_set()``, and a signal handler that took it too could deadlock the code it interrupted.
+    """
 
     def __init__(self, stop: Any) -> None:
         self._stop = stop
         self._parent = os.getppid()
+        self.signalled = False
 
     def is_set(self) -> bool:
-        return self._stop.is_set() or os.getppid() != self._parent
+        return self.signalled or self._stop.is_set() or os.getppid() != self._parent
 
 
 class FailureReports:
@@ -97,19 +104,21 @@ def worker_main(
     """Entry point of a spawned producer process: exit 0 on a clean finish or stop, 2 on a
     ``ConfigError``, 3 on a ``BrokenError``, each reported to ``failures`` in one line."""
     setup_logging(log_level)
+    watch = _ParentWatch(stop)
 
     def on_signal(*_: object) -> None:
-        # The supervisor owns shutdown: a signal sets the stop flag. While the last batches
-        # are being delivered (ZeroMQ linger inside ``Context.term``), stopping means
-        # discarding them: exit at once.
-        if _flushing.is_set():
+        # The first signal stops this producer; a second one, or one while the last batches
+        # are being delivered (ZeroMQ linger inside ``Context.term``), discards them: exit.
+        if _flushing.is_set() or watch.signalled:
             os._exit(0)
-        stop.set()
+        watch.signalled = True
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    # The pool starts workers with both signals blocked (see producer.pool): handlers first.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
-        produce(options, worker_info(options, index), _ParentWatch(stop))
+        produce(options, worker_info(options, index), watch)
     except ClosedError:
         return
     except (ConfigError, BrokenError) as exc:
@@ -117,6 +126,11 @@ def worker_main(
         if failures is not None:
             failures.report(index, exc)
         raise SystemExit(2 if isinstance(exc, ConfigError) else 3) from None
+    finally:
+        # CPython puts the default actions back while it exits, and a late Ctrl-C would then
+        # turn this exit into a death by SIGINT, which the pool would report as a failure.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:

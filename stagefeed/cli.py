@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from stagefeed import __version__, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
+from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema, image_schema, load_schema
@@ -94,7 +95,15 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add(
         g, "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
     )
-    envflags.add(g, "--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    envflags.add(
+        g,
+        "--metrics-bind",
+        default="127.0.0.1",
+        help="address the metrics endpoint listens on (0.0.0.0: every interface)",
+    )
+    envflags.add_switch(
+        g, "--metrics-producer-labels", help="per-producer metrics, labelled with producer ids"
+    )
     envflags.add(g, "--advice-s", type=float, default=300.0, help="seconds between advice lines")
     envflags.add(
         g, "--wire-mb-s", type=float, default=1400.0, help="MiB/s the producers' link carries"
@@ -184,22 +193,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _produce(args: argparse.Namespace) -> int:
-    from stagefeed.launcher import produce
+# Each command runs under a Shutdown installed first: from then on SIGINT and SIGTERM stop it
+# and never raise; once it is over they are ignored while the interpreter exits.
 
-    return produce(producer_options(args, args.connect, args.workers))
+
+def _produce(args: argparse.Namespace) -> int:
+    shutdown = Shutdown().install()
+    try:
+        from stagefeed.launcher import produce
+
+        return produce(producer_options(args, args.connect, args.workers), shutdown)
+    finally:
+        shutdown.finish()
 
 
 def _train(args: argparse.Namespace) -> int:
-    from stagefeed.launcher import observe_options, train
+    shutdown = Shutdown().install()
+    try:
+        from stagefeed.launcher import observe_options, train
 
-    return train(trainer_options(args, args.bind), args.json, observe_options(args))
+        return train(trainer_options(args, args.bind), args.json, observe_options(args), shutdown)
+    finally:
+        shutdown.finish()
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stagefeed.launcher import run_local
+    shutdown = Shutdown().install()
+    try:
+        from stagefeed.launcher import run_local
 
-    return run_local(args, trainer_options, producer_options)
+        return run_local(args, trainer_options, producer_options, shutdown)
+    finally:
+        shutdown.finish()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

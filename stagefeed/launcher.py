@@ -1,4 +1,12 @@
-"""What ``stagefeed produce``, ``train`` and ``run`` do: start, supervise, stop, summarize."""
+"""What ``stagefeed produce``, ``train`` and ``run`` do: start, supervise, stop, summarize.
+
+Every command runs under a ``Shutdown`` (``common.lifecycle``), installed before anything slow
+starts (TensorFlow's import included): the first SIGINT/SIGTERM stops the command, a later one
+(or one that arrives while the command is ending by itself) makes the shutdown urgent, and no
+signal ever raises. Options and output paths are checked before TensorFlow is imported or any
+process starts; a signal during start-up skips whatever has not started yet. The shutdown
+closes everything whatever happened, then the summary is written.
+"""
 
 from __future__ import annotations
 
@@ -7,35 +15,41 @@ import logging
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from stagefeed.common.errors import ClosedError
-from stagefeed.common.lifecycle import on_stop_signals
+from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
 from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.paths import check_writable_dir, check_writable_file
 from stagefeed.producer.pool import ProducerPool
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.monitor import ObserveOptions
+    from stagefeed.consumer.monitor import Monitor, ObserveOptions
+    from stagefeed.consumer.trainer import Trainer
 
 log = logging.getLogger("stagefeed")
 
+POLL_S = 0.2
+# After the shutdown, how long a non-daemon thread that outlived its join may keep the process.
+LEFTOVER_THREADS_S = 2.0
 
-def produce(options: ProducerOptions) -> int:
+
+def produce(options: ProducerOptions, shutdown: Shutdown | None = None) -> int:
     """Run producer processes until they finish (``--max-batches``) or a signal stops them."""
+    shutdown = shutdown or Shutdown().install()
     _check_client_keys(options)
-    stop = threading.Event()
-    restore = on_stop_signals(lambda _sig: stop.set())
-    pool = ProducerPool(options, logging.getLogger().level).start()
+    pool = ProducerPool(options, logging.getLogger().level)
     try:
-        while not stop.is_set() and pool.alive():
-            pool.wait(0.2)
+        if not shutdown.stop.is_set():
+            pool.start()
+        while pool.alive() and not shutdown.stop.wait(POLL_S):
+            pool.wait(0)  # raises BrokenError as soon as a worker failed
     finally:
-        pool.close()
-        restore()
-    pool.wait(0)
+        shutdown.begin()
+        pool.close(hurry=shutdown.urgent.is_set)
+    pool.wait(0)  # a worker that failed, even during the shutdown, is reported: exit 3
     return 0
 
 
@@ -45,6 +59,14 @@ def _check_client_keys(options: ProducerOptions) -> None:
         from stagefeed.common.curve import client_configurator
 
         client_configurator(options.curve_keys)
+
+
+def _check_outputs(json_path: str | None, logdir: str | None) -> None:
+    """Every path the trainer will write, tried now: not after an hour of training."""
+    if json_path:
+        check_writable_file("--json", json_path)
+    if logdir:
+        check_writable_dir("--logdir", logdir)
 
 
 def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | None:
@@ -63,65 +85,116 @@ def observe_options(args: argparse.Namespace) -> ObserveOptions:
         progress_s=args.progress_s,
         logdir=args.logdir,
         metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
+        metrics_bind=args.metrics_bind,
+        metrics_producer_labels=args.metrics_producer_labels,
         advice_s=args.advice_s,
         wire_mb_s=args.wire_mb_s,
     )
 
 
-def _finish(
-    trainer: Any,
-    started: float,
-    stop: threading.Event,
-    json_path: str | None,
-    final: dict[str, Any] | None = None,
+def _start(monitor: Monitor, trainer: Trainer, shutdown: Shutdown) -> bool:
+    """Start the monitor, then the trainer, unless a stop came first; True if both started."""
+    for step in (lambda: monitor.start(trainer), trainer.start):
+        if shutdown.stop.is_set():
+            log.info("stopped during start-up")
+            return False
+        step()
+    return True
+
+
+def _train(
+    trainer: Trainer, shutdown: Shutdown, health_check: Callable[[], None] | None = None
+) -> BrokenError | None:
+    """Train until done or stopped; a failure (receive thread, producers) is returned, so
+    that the shutdown and the summary still happen."""
+    try:
+        trainer.train(shutdown.stop, health_check=health_check)
+    except ClosedError as exc:
+        log.info("stopped before training started: %s", exc)
+    except BrokenError as exc:
+        return exc
+    return None
+
+
+def _close(
+    shutdown: Shutdown, monitor: Monitor, trainer: Trainer, pool: ProducerPool | None = None
 ) -> None:
+    """Close everything, each step whatever the one before did."""
+    shutdown.begin()  # from here on, a signal cuts the grace periods
+    try:
+        monitor.close()
+    finally:
+        try:
+            if pool is not None:
+                pool.close(hurry=shutdown.urgent.is_set)
+        finally:
+            trainer.close()
+
+
+def _finish(
+    trainer: Trainer,
+    started: float,
+    shutdown: Shutdown,
+    json_path: str | None,
+    final: dict[str, Any],
+    failure: BaseException | None,
+) -> int:
+    """Print and write the summary; the exit code: 3 if something failed, 1 if the JSON could
+    not be written after all (the text summary is on stdout), else 0."""
     from stagefeed.consumer.summary import format_text, summarize, write_json
 
-    summary = summarize(trainer, time.monotonic() - started, interrupted=stop.is_set())
-    summary.update(final or {})  # "advice" and "bottleneck" from the Monitor
+    summary = summarize(trainer, time.monotonic() - started, interrupted=shutdown.by_signal)
+    summary.update(final)  # "advice" and "bottleneck" from the Monitor
     print(format_text(summary), flush=True)
+    code = 0
     if json_path:
-        write_json(summary, json_path)
-        log.info("summary written to %s", json_path)
+        try:
+            write_json(summary, json_path)
+            log.info("summary written to %s", json_path)
+        except OSError as exc:
+            log.error("cannot write the summary to %s: %s", json_path, exc)
+            code = 1
+    if failure is not None:
+        log.error("%s", failure)
+        code = 3
+    return code
 
 
-def train(options: TrainerOptions, json_path: str | None, observe: ObserveOptions) -> int:
+def train(
+    options: TrainerOptions,
+    json_path: str | None,
+    observe: ObserveOptions,
+    shutdown: Shutdown | None = None,
+) -> int:
     """Listen, train ``options.steps`` steps (or until a signal), print the summary."""
+    shutdown = shutdown or Shutdown().install()
+    _check_outputs(json_path, observe.logdir)
+    # TensorFlow loads here (seconds): a signal meanwhile takes effect once it has loaded.
     from stagefeed.consumer.monitor import Monitor
     from stagefeed.consumer.trainer import Trainer
 
-    stop = threading.Event()
-    restore = on_stop_signals(lambda _sig: stop.set())
     monitor = Monitor(observe)
     trainer = Trainer(options, [monitor], _server_configurator(options))
     started = time.monotonic()
+    failure = None
     try:
-        monitor.start(trainer)
-        trainer.start()
-        try:
-            trainer.train(stop)
-        except ClosedError:
-            log.info("stopped before training started")
+        if _start(monitor, trainer, shutdown):
+            failure = _train(trainer, shutdown)
     finally:
-        try:
-            monitor.close()
-        finally:
-            trainer.close()
-            restore()
-    _finish(trainer, started, stop, json_path, monitor.final)
-    return 0
+        _close(shutdown, monitor, trainer)
+    code = _finish(trainer, started, shutdown, json_path, monitor.final, failure)
+    exit_if_threads_left(code, shutdown.grace(LEFTOVER_THREADS_S))
+    return code
 
 
 def run_local(
     args: argparse.Namespace,
     trainer_options: Callable[[argparse.Namespace, str], TrainerOptions],
     producer_options: Callable[[argparse.Namespace, str, int], ProducerOptions],
+    shutdown: Shutdown | None = None,
 ) -> int:
     """The main job: a trainer and ``--producers`` producer processes on loopback."""
-    from stagefeed.consumer.monitor import Monitor
-    from stagefeed.consumer.trainer import Trainer
-
+    shutdown = shutdown or Shutdown().install()
     ipc_path = None
     if args.transport == "ipc":
         ipc_path = os.path.join(tempfile.gettempdir(), f"stagefeed-{os.getpid()}.sock")
@@ -131,36 +204,35 @@ def run_local(
     options = trainer_options(args, bind)
     # Validate the producers' options before anything starts (endpoint filled in below).
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
-    monitor = Monitor(observe_options(args))
-    stop = threading.Event()
-    restore = on_stop_signals(lambda _sig: stop.set())
+    observe = observe_options(args)
+    _check_outputs(args.json, observe.logdir)
+    from stagefeed.consumer.monitor import Monitor  # TensorFlow loads here (seconds)
+    from stagefeed.consumer.trainer import Trainer
+
+    monitor = Monitor(observe)
     trainer = Trainer(options, [monitor], _server_configurator(options))
     pool: ProducerPool | None = None
+    failure: BaseException | None = None
     started = time.monotonic()
     try:
-        monitor.start(trainer)
-        trainer.start()
-        pool = ProducerPool(
-            producer_options(args, trainer.endpoint, args.producers), logging.getLogger().level
-        ).start()
-        log.info("%d producers -> %s", args.producers, trainer.endpoint)
-        try:
-            trainer.train(stop, health_check=_pool_check(pool))
-        except ClosedError:
-            log.info("stopped before training started")
+        if _start(monitor, trainer, shutdown) and not shutdown.stop.is_set():
+            pool = ProducerPool(
+                producer_options(args, trainer.endpoint, args.producers), logging.getLogger().level
+            ).start()
+            log.info("%d producers -> %s", args.producers, trainer.endpoint)
+            failure = _train(trainer, shutdown, health_check=_pool_check(pool))
     finally:
         try:
-            monitor.close()
+            _close(shutdown, monitor, trainer, pool)
         finally:
-            if pool is not None:
-                pool.close()
-            trainer.close()
-            restore()
             if ipc_path and os.path.exists(ipc_path):
                 os.unlink(ipc_path)
-    _finish(trainer, started, stop, args.json, monitor.final)
+    if failure is None and pool is not None and pool.failures():
+        failure = BrokenError(f"producer processes failed: {', '.join(pool.failures())}")
+    code = _finish(trainer, started, shutdown, args.json, monitor.final, failure)
     sys.stdout.flush()
-    return 0
+    exit_if_threads_left(code, shutdown.grace(LEFTOVER_THREADS_S))
+    return code
 
 
 def _pool_check(pool: ProducerPool) -> Callable[[], None]:

@@ -110,8 +110,9 @@ class Trainer:
                 *TRAINER_FLAGS,
                 "--metrics-port",
                 str(self.metrics_port),
-                "--metrics-host",
+                "--metrics-bind",
                 "127.0.0.1",
+                "--metrics-producer-labels",  # the tests follow producers by id
                 "--json",
                 self.json_path,
                 *extra,

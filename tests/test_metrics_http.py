@@ -6,6 +6,7 @@ import json
 import signal
 import socket
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -14,9 +15,11 @@ from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer.figures import StepCounters, take_snapshot
-from stagefeed.consumer.metrics_http import MetricsServer
+from stagefeed.consumer.metrics_http import CLIENT_TIMEOUT_S, MAX_CLIENTS, MetricsServer
+from stagefeed.consumer.monitor import ObserveOptions
 from stagefeed.consumer.trainer import StepRecord, Trainer
 
+from stagefeed.cli import build_parser
 from tests.conftest import TINY, cli_env, free_tcp_port, run_cli, wait_for
 
 SPEC = image_schema(batch_size=2)
@@ -51,8 +54,12 @@ def test_endpoint_moves_while_a_real_trainer_trains(start_cli, tmp_path) -> None
     port, metrics_port = free_tcp_port(), free_tcp_port()
     address = f"127.0.0.1:{metrics_port}"
     summary_path = tmp_path / "summary.json"
-    # The port comes from the environment: STAGEFEED_METRICS_PORT works like --metrics-port.
-    env = cli_env(STAGEFEED_METRICS_PORT=str(metrics_port), STAGEFEED_METRICS_HOST="127.0.0.1")
+    # The settings come from the environment: STAGEFEED_METRICS_PORT works like --metrics-port.
+    env = cli_env(
+        STAGEFEED_METRICS_PORT=str(metrics_port),
+        STAGEFEED_METRICS_BIND="127.0.0.1",
+        STAGEFEED_METRICS_PRODUCER_LABELS="1",
+    )
     trainer = start_cli(
         ["train", "--bind", f"tcp://127.0.0.1:{port}", *TINY, "--steps", "0",
          "--queue-mb", "24", "--json", str(summary_path)],
@@ -114,22 +121,31 @@ def test_endpoint_moves_while_a_real_trainer_trains(start_cli, tmp_path) -> None
     assert producer.wait(30) == 0
 
 
-def _served(port: int = 0) -> tuple[MetricsServer, Trainer, StepCounters]:
+def _served(
+    port: int = 0, producer_labels: bool = False, host: str = "127.0.0.1"
+) -> tuple[MetricsServer, Trainer, StepCounters]:
     trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, queue_mb=24))
     counters = StepCounters(trainer.options.queue_capacity)
-    server = MetricsServer(lambda: take_snapshot(counters, trainer), trainer, "127.0.0.1", port)
+    server = MetricsServer(
+        lambda: take_snapshot(counters, trainer), trainer, host, port, producer_labels
+    )
     return server.start(), trainer, counters
 
 
-def test_scrape_reports_the_books_and_close_joins_the_thread() -> None:
-    server, trainer, counters = _served()
+def _books(trainer: Trainer, counters: StepCounters) -> None:
+    """Two producers: prod-a delivers seq 0 and 2 (1 missing) and a duplicate; prod-b one."""
+    trainer.ledger.accept("prod-a", 0, SPEC.batch_bytes)
+    trainer.ledger.accept("prod-a", 2, SPEC.batch_bytes)
+    trainer.ledger.trained([0], [0])
+    trainer.ledger.accept("prod-a", 2, SPEC.batch_bytes)  # duplicate
+    trainer.ledger.accept("prod-b", 0, SPEC.batch_bytes)
+    counters.add(StepRecord(1, True, 0.25, 0.5, 3.5, 0, 0.0))
+
+
+def test_scrape_reports_the_books_and_close_joins_the_threads() -> None:
+    server, trainer, counters = _served(producer_labels=True)
     try:
-        index = trainer.ledger.open("prod-a")
-        trainer.ledger.accept(index, 0, SPEC.batch_bytes)
-        trainer.ledger.accept(index, 2, SPEC.batch_bytes)  # seq 1 missing
-        trainer.ledger.trained([index], [0])
-        trainer.ledger.accept(index, 2, SPEC.batch_bytes)  # duplicate
-        counters.add(StepRecord(1, True, 0.25, 0.5, 3.5, 0, 0.0))
+        _books(trainer, counters)
         metrics = scrape(server.address)
     finally:
         server.close()
@@ -140,10 +156,119 @@ def test_scrape_reports_the_books_and_close_joins_the_thread() -> None:
     assert value(metrics, "stagefeed_received_batches_total", producer="prod-a") == 2
     assert value(metrics, "stagefeed_trained_batches_total", producer="prod-a") == 1
     assert value(metrics, "stagefeed_sequence_missing_batches", producer="prod-a") == 1
+    assert value(metrics, "stagefeed_received_batches_total", producer="prod-b") == 1
     assert value(metrics, "stagefeed_dropped_messages_total", reason="duplicate") == 1
-    assert value(metrics, "stagefeed_received_bytes_total") == 2 * SPEC.batch_bytes
-    assert not any(t.name == "stagefeed-metrics-http" for t in threading.enumerate())
+    assert value(metrics, "stagefeed_received_bytes_total") == 3 * SPEC.batch_bytes
+    assert not [t for t in threading.enumerate() if t.name.startswith("stagefeed-metrics")]
     server.close()  # idempotent
+
+
+def test_producer_ids_are_absent_by_default_and_the_counters_aggregate() -> None:
+    server, trainer, counters = _served()
+    try:
+        _books(trainer, counters)
+        with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        metrics = scrape(server.address)
+    finally:
+        server.close()
+    assert "prod-a" not in text and "prod-b" not in text and 'producer="' not in text
+    assert value(metrics, "stagefeed_received_batches_total") == 3
+    assert value(metrics, "stagefeed_trained_batches_total") == 1
+    assert value(metrics, "stagefeed_sequence_missing_batches") == 1
+    assert value(metrics, "stagefeed_producers_seen") == 2
+
+
+def test_the_default_bind_is_loopback() -> None:
+    assert ObserveOptions().metrics_bind == "127.0.0.1"
+    args = build_parser().parse_args(["train", "--metrics-port", "0"])
+    assert args.metrics_bind == "127.0.0.1" and not args.metrics_producer_labels
+    server, _, _ = _served(host=args.metrics_bind)
+    try:
+        assert server.bound[0] == "127.0.0.1"
+        assert server.address == f"127.0.0.1:{server.bound[1]}"
+    finally:
+        server.close()
+
+
+def _idle(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True if the server closed the connection (EOF or reset); False while it is open."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+    finally:
+        sock.setblocking(True)
+
+
+def test_idle_connections_do_not_delay_a_scrape_and_are_cut_after_the_client_limit() -> None:
+    server, trainer, counters = _served()
+    try:
+        _books(trainer, counters)
+        idle = [_idle(server.address) for _ in range(2)]
+        opened = time.monotonic()
+        metrics = scrape(server.address)
+        # Both idle clients still hold their connections: the scrape was answered while they
+        # waited, not after the server gave up on them.
+        still_open = [not _closed_by_peer(s) for s in idle]
+        answered_within = time.monotonic() - opened
+        assert value(metrics, "stagefeed_steps_total") == 1
+        assert all(still_open) or answered_within < CLIENT_TIMEOUT_S, answered_within
+        # Then each is cut once its time is up.
+        assert wait_for(lambda: all(_closed_by_peer(s) for s in idle), 10)
+        for s in idle:
+            s.close()
+    finally:
+        server.close()
+
+
+def test_a_trickling_client_is_cut_at_the_client_limit_not_per_byte() -> None:
+    server, _, _ = _served()
+    try:
+        sock = _idle(server.address)
+        request = b"GET /metrics HTTP/1.0\r\nX-Slow: " + b"x" * 200
+        began = time.monotonic()
+        cut = False
+        for byte in request:  # one byte every 0.1 s: each read succeeds, the whole takes 20 s
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                cut = True
+                break
+            if _closed_by_peer(sock):
+                cut = True
+                break
+            time.sleep(0.1)
+        took = time.monotonic() - began
+        sock.close()
+        assert cut, "the server waited for the whole trickle"
+        assert took < 10 * CLIENT_TIMEOUT_S  # cut long before the 20 s trickle ended
+    finally:
+        server.close()
+
+
+def test_connections_beyond_the_limit_are_refused_and_close_cuts_the_rest() -> None:
+    server, _, _ = _served()
+    try:
+        held = [_idle(server.address) for _ in range(MAX_CLIENTS)]
+        assert wait_for(lambda: len(server._server.client_threads()) == MAX_CLIENTS, 10)
+        extra = _idle(server.address)
+        assert wait_for(lambda: _closed_by_peer(extra), 10)  # refused at once
+        extra.close()
+    finally:
+        server.close()
+    assert all(wait_for(lambda s=s: _closed_by_peer(s), 5) for s in held)  # close() cut them
+    for s in held:
+        s.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("stagefeed-metrics")]
 
 
 def test_a_busy_port_fails_at_start_naming_the_address() -> None:

@@ -33,7 +33,9 @@ SPEC = image_schema(batch_size=2)
         ("metrics_port", 70000),
         ("metrics_port", -1),
         ("logdir", "  "),
-        ("metrics_host", ""),
+        ("metrics_bind", ""),
+        ("metrics_bind", "not a host!"),
+        ("metrics_bind", "*"),
     ],
 )
 def test_bad_options_name_the_value(field: str, value: object) -> None:

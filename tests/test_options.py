@@ -1,11 +1,16 @@
-"""Options fail at construction with a message naming the bad value."""
+"""Options fail at construction with a message naming the bad value; the CLI fails at start
+with one line naming it, before TensorFlow is imported or any process starts."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import image_schema
+
+from tests.conftest import cli_env, run_cli
 
 
 @pytest.mark.parametrize(
@@ -62,3 +67,81 @@ def test_byte_budgets_derive_message_counts():
     small = image_schema(batch_size=256, dtype="uint8")
     assert TrainerOptions(schema=small, queue_mb=2048).queue_capacity == 54
     assert TrainerOptions(schema=spec).max_message_bytes == spec.batch_bytes + 2**20
+
+# ---- the CLI: a bad value stops the command at start, before TensorFlow or any process --------
+
+_NO_TENSORFLOW = """\
+import sys
+
+
+class NoTensorFlow:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] == "tensorflow":
+            raise ImportError("tensorflow imported before the flags were checked")
+        return None
+
+
+sys.meta_path.insert(0, NoTensorFlow)
+"""
+
+
+@pytest.fixture
+def without_tensorflow(tmp_path):
+    """A CLI environment in which importing TensorFlow fails: a command that got as far as
+    TensorFlow would end in that ImportError, not in the one-line error of a checked flag."""
+    site = tmp_path / "no-tensorflow-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_NO_TENSORFLOW)
+    env = cli_env()
+    env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
+    return env
+
+
+def _not_a_dir(tmp_path) -> str:
+    (tmp_path / "plain-file").write_text("")
+    return str(tmp_path / "plain-file" / "logs")
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["train", "--json", "/proc/x.json"], "/proc/x.json"),
+        (["run", "--json", "/proc/x.json"], "/proc/x.json"),
+        (["train", "--json", "{tmp}/missing/summary.json"], "{tmp}/missing/summary.json"),
+        (["train", "--json", "{tmp}"], "{tmp}"),
+        (["train", "--logdir", "/proc/stagefeed-logs"], "/proc/stagefeed-logs"),
+        (["run", "--logdir", "{not_a_dir}"], "{not_a_dir}"),
+        (["train", "--bind", "tcp://127.0.0.1:99999"], "tcp://127.0.0.1:99999"),
+        (["train", "--bind", "tcp://[::1:5555"], "tcp://[::1:5555"),
+        (["produce", "--connect", "tcp://host:0"], "tcp://host:0"),
+        (["produce", "--connect", "tcp://*:5555"], "tcp://*:5555"),
+        (["train", "--metrics-port", "0", "--metrics-bind", "10.0.0.256"], "10.0.0.256"),
+    ],
+)
+def test_cli_fails_at_start_with_one_line_naming_the_value(
+    tmp_path, without_tensorflow, args, named
+):
+    fill = {"tmp": str(tmp_path), "not_a_dir": _not_a_dir(tmp_path)}
+    args = [a.format(**fill) for a in args]
+    named = named.format(**fill)
+    began = time.monotonic()
+    done = run_cli([*args, "--batch-size", "2"], timeout=60, env=without_tensorflow)
+    took = time.monotonic() - began
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("stagefeed: error: ") and repr(named) in lines[0], lines[0]
+    assert done.stdout == ""
+    assert took < 30  # generous: nothing slow (TensorFlow, a process) was started
+    leftovers = list(tmp_path.rglob("*.json"))
+    assert not leftovers  # the check wrote nothing it kept
+
+
+def test_cli_reads_the_paths_from_the_environment_too(without_tensorflow):
+    env = {**without_tensorflow, "STAGEFEED_JSON": "/proc/x.json"}
+    done = run_cli(["train", "--batch-size", "2"], timeout=60, env=env)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "stagefeed: error: --json '/proc/x.json' cannot be written: No such file or directory"
+    ]
