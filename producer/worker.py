@@ -109,7 +109,12 @@ def worker_main(
     def on_signal(*_: object) -> None:
         # The first signal stops this producer; a second one, or one while the last batches
         # are being delivered (ZeroMQ linger inside ``Context.term``), discards them: exit.
-        if _flushing.is_set() or watch.signalled:
+        if _flushing.is_set():
+            # The main thread sits in Context.term (ZeroMQ's linger): it holds no log lock.
+            log.info("producer %d: stop requested while delivering the last batches: "
+                     "discarded", index)  # fmt: skip
+            os._exit(0)
+        if watch.signalled:
             os._exit(0)
         watch.signalled = True
 

@@ -134,11 +134,12 @@ def _served(
 
 def _books(trainer: Trainer, counters: StepCounters) -> None:
     """Two producers: prod-a delivers seq 0 and 2 (1 missing) and a duplicate; prod-b one."""
-    trainer.ledger.accept("prod-a", 0, SPEC.batch_bytes)
-    trainer.ledger.accept("prod-a", 2, SPEC.batch_bytes)
-    trainer.ledger.trained([0], [0])
-    trainer.ledger.accept("prod-a", 2, SPEC.batch_bytes)  # duplicate
-    trainer.ledger.accept("prod-b", 0, SPEC.batch_bytes)
+    a, b = trainer.ledger.open("prod-a"), trainer.ledger.open("prod-b")
+    trainer.ledger.accept(a, 0, SPEC.batch_bytes)
+    trainer.ledger.accept(a, 2, SPEC.batch_bytes)
+    trainer.ledger.trained([a], [0])
+    trainer.ledger.accept(a, 2, SPEC.batch_bytes)  # duplicate
+    trainer.ledger.accept(b, 0, SPEC.batch_bytes)
     counters.add(StepRecord(1, True, 0.25, 0.5, 3.5, 0, 0.0))
 
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import threading
 import time
 
 import psutil
 import pytest
 import zmq
+from stagefeed.common import protocol
+from stagefeed.common.schema import image_schema
 
 from tests import procs
 from tests.conftest import TINY, free_tcp_port, wait_for
@@ -274,13 +277,35 @@ def test_produce_signalled_repeatedly_while_it_cannot_reach_the_trainer(spawn):
 
 @pytest.fixture
 def deaf_trainer():
-    """A bound PULL socket that never reads: finished producers linger, unable to deliver."""
+    """A ROUTER that welcomes two producers with plenty of credit, then never reads again:
+    finished producers linger, unable to deliver."""
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
+    sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.RCVHWM, 1)
     sock.setsockopt(zmq.RCVBUF, 64 * 1024)
+    sock.setsockopt(zmq.LINGER, 0)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def welcome_two() -> None:
+        welcomed = 0
+        while welcomed < 2 and not stop.is_set():
+            if not sock.poll(100):
+                continue
+            routing_id, raw, *_ = sock.recv_multipart()
+            if protocol.decode_header(raw, protocol.FROM_PRODUCER)["t"] == "hello":
+                welcome = protocol.encode_control(
+                    "welcome", schema=image_schema(batch_size=2).to_dict(),
+                    max_message=2**24, credit=100,
+                )  # fmt: skip
+                sock.send_multipart([routing_id, welcome])
+                welcomed += 1
+
+    thread = threading.Thread(target=welcome_two, name="deaf-trainer")
+    thread.start()
     yield f"tcp://127.0.0.1:{port}"
+    stop.set()
+    thread.join(5)
     sock.close(linger=0)
     ctx.term()
 
