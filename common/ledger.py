@@ -26,8 +26,8 @@ UNIDENTIFIED = "<unidentified>"
 # goes away, so hello floods cannot fill the books.
 MAX_ENTRIES = 1024
 MAX_REFUSED_NAMES = 256
-# A sequence number more than this far past a connection's highest is refused and does not
-# move its window (one connection delivers in order; a gap this large is forged).
+# A sequence number more than this far past a connection's highest, or below its first, is
+# refused and does not move its window (one connection delivers in order; this is forged).
 MAX_SEQ_AHEAD = 1 << 16
 # At most one log line per reason in this many seconds: a junk flood must not flood the log.
 DROP_LOG_INTERVAL_S = 5.0
@@ -99,7 +99,9 @@ class Ledger:
         now = time.monotonic()
         with self._lock:
             stats = self._entries[index]
-            if stats.sequence.highest >= 0 and seq > stats.sequence.highest + MAX_SEQ_AHEAD:
+            lowest, highest = stats.sequence.lowest, stats.sequence.highest
+            # One connection delivers in order: nothing comes before its first number.
+            if lowest is not None and (seq > highest + MAX_SEQ_AHEAD or seq < lowest):
                 reason = DropReason.SEQ_RANGE
             elif stats.sequence.record(seq):
                 stats.received += 1
@@ -127,7 +129,11 @@ class Ledger:
         with self._lock:
             key = name if name in self._refused or len(self._refused) < MAX_REFUSED_NAMES else "*"
             self._refused.setdefault(key, collections.Counter())[reason] += 1
-            total = sum(self._refused[key].values())
+            total = sum(c[reason] for c in self._refused.values())
+            now = time.monotonic()
+            if now - self._last_drop_log.get("refused:" + reason, -1e9) < DROP_LOG_INTERVAL_S:
+                return  # a flood of refused hellos must not flood the log
+            self._last_drop_log["refused:" + reason] = now
         log.warning("refused producer %s (%s, %d so far): %s", name, reason, total, detail)
 
     def ended(self, index: int, count: int) -> None:
@@ -202,6 +208,13 @@ class Ledger:
             out: collections.Counter[str] = collections.Counter(self._unidentified)
             for s in self._entries.values():
                 out.update(s.drops)
+            return dict(out)
+
+    def refusals_by_reason(self) -> dict[str, int]:
+        with self._lock:
+            out: collections.Counter[str] = collections.Counter()
+            for counts in self._refused.values():
+                out.update(counts)
             return dict(out)
 
     def refusals(self) -> dict[str, dict[str, int]]:

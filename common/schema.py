@@ -140,7 +140,8 @@ class ArraySpec:
                 f"array {self.name!r}: bounds {excerpt(bounds)} must be [low, high) with low < high"
             )
         info = np.iinfo(np.dtype(self.dtype))
-        if bounds[0] < info.min or bounds[1] - 1 > info.max:
+        # msgpack carries integers in [-2**63, 2**64): a schema must travel in a welcome.
+        if bounds[0] < info.min or bounds[1] - 1 > info.max or bounds[1] >= 2**64:
             raise ConfigError(
                 f"array {self.name!r}: bounds {list(bounds)} do not fit {self.dtype}"
             )

@@ -122,6 +122,14 @@ class StagefeedCollector:
         for event, n in sorted(self._trainer.ledger.peer_events().items()):
             connections.add_metric([event], n)
         yield connections
+        refused = CounterMetricFamily(
+            PREFIX + "refused_hellos",
+            "Producers refused at hello (schema mismatch, connection limit), by reason",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self._trainer.ledger.refusals_by_reason().items()):
+            refused.add_metric([reason], n)
+        yield refused
 
     def _per_producer(self, snap: Snapshot) -> Iterator[Metric]:
         """Per producer id with ``producer_labels``, else one series each, summed."""

@@ -123,3 +123,20 @@ def test_abandoned_batches_are_not_counted_as_queued():
     ledger.abandoned([a], [1])
     summary = ledger.summary()["a"]
     assert (summary["trained"], summary["abandoned"], summary["queued_at_stop"]) == (1, 1, 1)
+
+
+def test_a_sequence_number_before_the_connections_first_is_refused():
+    ledger = Ledger()
+    a = ledger.open("a")
+    assert ledger.accept(a, 2**63 - 1, 1) is None  # a connection's first number opens it
+    assert ledger.accept(a, 0, 1) == DropReason.SEQ_RANGE
+    assert ledger.summary()["a"]["seq_missing"] == 0
+
+
+def test_refused_hellos_are_logged_at_most_once_per_interval(caplog):
+    ledger = Ledger()
+    with caplog.at_level("WARNING", logger="stagefeed.common.ledger"):
+        for i in range(50):
+            ledger.refused(f"p{i}", "spec_mismatch", "images: ...")
+    assert len([r for r in caplog.records if "refused producer" in r.message]) == 1
+    assert ledger.refusals_by_reason() == {"spec_mismatch": 50}
