@@ -44,6 +44,16 @@ def user_batches(schema: Schema = SCHEMA, seed: int = 0) -> Iterator[dict[str, n
         yield {"images": images, "labels": labels}
 
 
+def batches(schema: Schema, worker) -> Iterator[dict[str, np.ndarray]]:
+    """The same batches as the producers' source: ``--source examples.keras_images:batches``.
+
+    Every worker uses one palette (the classes must look alike across workers); the noise
+    differs per worker.
+    """
+    del worker  # one stream per worker would need the palette apart from the noise
+    return user_batches(schema, seed=0)
+
+
 def build_model(feed: Feed) -> keras.Model:
     """uint8 images in (as on the wire); cast and scale as the first layer of the model."""
     inputs = keras.Input(SCHEMA["images"].shape, dtype="uint8", name="images")

@@ -1,7 +1,8 @@
 """stagefeed: feed a TensorFlow trainer from Python producer processes.
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
-this package without TensorFlow: the trainer-side names (``Trainer``) are loaded on first
+this package without TensorFlow: the trainer-side names (``Feed``, ``ServedFeed``,
+``Trainer``) are loaded on first
 use (PEP 562), and only they import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
@@ -36,6 +37,8 @@ __version__ = "0.2.0"
 
 # Trainer-side names: imported (with TensorFlow) only when first used.
 _LAZY = {
+    "Feed": "stagefeed.consumer.feed",
+    "ServedFeed": "stagefeed.consumer.served_feed",
     "Trainer": "stagefeed.consumer.trainer",
 }
 
@@ -46,10 +49,12 @@ __all__ = [
     "ConfigError",
     "DEFAULT_SCHEMA",
     "DropReason",
+    "Feed",
     "ProducerOptions",
     "ProtocolError",
     "Schema",
     "SchemaMismatch",
+    "ServedFeed",
     "StagefeedError",
     "Trainer",
     "TrainerOptions",

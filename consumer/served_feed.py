@@ -1,0 +1,63 @@
+"""``ServedFeed``: a TF 2 ``Feed`` whose batches come from producers over the network.
+
+The five lines of a Keras user::
+
+    options = stagefeed.TrainerOptions(bind="tcp://*:5555", schema=schema)
+    with stagefeed.ServedFeed(options) as feed:          # producers connect to options.bind
+        model.fit(feed.dataset(("images", "labels")), steps_per_epoch=100, epochs=3,
+                  callbacks=[feed.callback()])
+        print(feed.ledger.summary())                     # every batch: trained, queued, dropped
+
+The intake (``consumer.intake``) binds, speaks the protocol, checks every batch against the
+schema and enqueues into the feed's queue (capacity from ``options.queue_mb``); the feed's
+books report each step's batches to the same ``Ledger``. Lifecycle: construct (binds) ->
+``dataset()`` once -> train -> ``close()`` (idempotent: no more credit, the queue closes so
+blocked enqueues return, the intake's threads are joined).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from stagefeed.common.ledger import Ledger
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer.feed import Feed
+from stagefeed.consumer.intake import Intake
+
+
+class ServedFeed(Feed):
+    """A ``Feed`` bound on ``options.bind``; ``ledger`` holds the books, ``endpoint`` the
+    address producers connect to."""
+
+    def __init__(
+        self, options: TrainerOptions, configure_server: Callable[[Any], None] | None = None
+    ) -> None:
+        self.ledger = Ledger()
+        super().__init__(
+            options.schema,
+            options.queue_capacity,
+            stage_depth=options.stage_depth,
+            device=options.device,
+            sink=self.ledger,
+        )
+        self.intake = Intake(options, options.schema, self.enqueue, self.ledger, configure_server)
+        try:
+            self.intake.start()
+        except BaseException:
+            super().close()
+            raise
+        self.endpoint = self.intake.endpoint
+        self._served_closed = False
+
+    def check(self) -> None:
+        """Raise ``BrokenError`` if the intake failed (call between epochs or steps)."""
+        self.intake.check()
+
+    def close(self) -> None:
+        if self._served_closed:
+            return
+        self._served_closed = True
+        self.intake.stop_granting()
+        super().close()
+        self.intake.close()
