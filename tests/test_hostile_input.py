@@ -33,10 +33,11 @@ import numpy as np
 import pytest
 import zmq
 import zmq.utils.monitor
+from stagefeed.common import protocol
 from stagefeed.common.schema import MAX_ARRAYS, MAX_NAME_LEN, image_schema
 
 from tests import hostile, procs
-from tests.conftest import TINY
+from tests.conftest import TINY, wait_for
 
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
 
@@ -897,6 +898,49 @@ def test_message_over_max_message_mb_real(target):
     assert after.received["big-control"] == 1
     check_still_training(target, after)
     check_peak(target, target.high_mib)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="consumer/connections.py: credit granted to a connection comes back only when it "
+    "sends batches, says end, or is silent for producer_timeout_s; two connections that say "
+    "hello first and then only ping hold the whole pool (recv_threads + 2 = 4 credits, 2 per "
+    "peer) for ever, and every later producer gets welcome credit 0 and never any credit",
+)
+def test_idle_connections_cannot_hoard_the_credit_pool():
+    """In-process intake (the credit pool is the thing under test); hoarders come first."""
+    from stagefeed.common.ledger import Ledger
+    from stagefeed.common.options import TrainerOptions
+    from stagefeed.common.schema import ArraySpec, Schema
+    from stagefeed.consumer.intake import Intake
+
+    schema = Schema((ArraySpec("x", "float32", (3,)),), 2)
+    timeout_s = 2.0
+    options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=schema, queue_mb=1,
+                             producer_timeout_s=timeout_s)  # fmt: skip
+    got: list[int] = []
+    intake = Intake(options, schema, lambda a, i, s: got.append(s) is None, Ledger()).start()
+    ctx = zmq.Context()
+    try:
+        hoarders = [hostile.Peer(ctx, intake.endpoint, timeout_s=5) for _ in range(2)]
+        granted = [h.hello(f"hoarder-{i}")["credit"] for i, h in enumerate(hoarders)]
+        require(sum(granted) == intake.credit_pool, f"hoarders were granted {granted}")
+        good = hostile.Peer(ctx, intake.endpoint, timeout_s=5)
+        require(good.hello("good")["t"] == "welcome", "the good producer was refused")
+        deadline = time.monotonic() + 3 * timeout_s
+        while good.credit == 0 and time.monotonic() < deadline:
+            for h in hoarders:  # still here: keeps their credit alive
+                h.send(hostile.control("ping"))
+                h.pump()
+            good.send(hostile.control("ping"))
+            good.pump(0.5)
+        assert good.credit > 0, f"no credit for the good producer in {3 * timeout_s:.0f} s"
+        good.send_batch(protocol.encode_batch(0, hostile.valid_arrays(schema)))
+        assert wait_for(lambda: got == [0], 5)
+    finally:
+        intake.close()
+        ctx.destroy(linger=0)
 
 
 @pytest.mark.xfail(
