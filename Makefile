@@ -31,3 +31,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: fuzz
+# Property-based fuzzing of the decoders and the intake, longer than `make test` runs it:
+# thousands of examples per property (the Hypothesis profile in tests/test_fuzz_protocol.py).
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_fuzz_protocol.py tests/test_fuzz_intake.py
