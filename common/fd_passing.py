@@ -28,7 +28,7 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import msgpack
@@ -271,16 +271,24 @@ def offer_pool(channel: FdChannel, pool: SlotPool, timeout: float = 10.0) -> Non
 
 
 def accept_pool(
-    channel: FdChannel, on_release: ReleaseHook, timeout: float | None = 10.0
+    channel: FdChannel,
+    on_release: ReleaseHook,
+    timeout: float | None = 10.0,
+    check: Callable[[PoolAnnounce], None] | None = None,
 ) -> MappedPool:
     """Trainer: receive a pool announce + fd, map it, answer. Refusals are answered, then
-    raised as ProtocolError; the fd is closed either way (the mapping keeps the memory)."""
+    raised as ProtocolError; the fd is closed either way (the mapping keeps the memory).
+
+    ``check(announce)`` may refuse a well-formed announce (raise ProtocolError) before the
+    fd is mapped: the layout the trainer expects, the slots it granted."""
     header, fd = channel.recv(timeout)
     try:
         if fd is None:
             raise ProtocolError(DropReason.SHM_FD, "pool announce without an fd")
         try:
             announce = PoolAnnounce.from_wire(header)
+            if check is not None:
+                check(announce)
         except ProtocolError:
             os.close(fd)
             raise

@@ -123,7 +123,7 @@ def run_local(
     from stagefeed.consumer.trainer import Trainer
 
     ipc_path = None
-    if args.transport == "ipc":
+    if args.transport in ("ipc", "shm", "auto"):  # shared memory: control over ipc
         ipc_path = os.path.join(tempfile.gettempdir(), f"stagefeed-{os.getpid()}.sock")
         bind = f"ipc://{ipc_path}"
     else:
