@@ -203,15 +203,21 @@ class FdChannel:
 
 class FdListener:
     """Listens at ``path``; the socket file is 0600 in a 0700 directory, removed by
-    ``close()`` (idempotent) with the directory if this listener created it; a peer whose uid
-    is not in ``allowed_uids`` is refused."""
+    ``close()`` (idempotent) with the directory if this listener created it (or found it
+    holding nothing but a stale socket at ``path``); a peer whose uid is not in
+    ``allowed_uids`` is refused."""
 
     def __init__(
         self, path: str, allowed_uids: Collection[int] | None = None, backlog: int = 16
     ) -> None:
         self.path = os.path.abspath(path)
         self.allowed_uids = frozenset(allowed_uids or {os.geteuid()})
-        self._made_dir = _private_dir(os.path.dirname(self.path))
+        directory = os.path.dirname(self.path)
+        # Ours to remove at close: made here, or left empty but for this socket (by a killed
+        # trainer at the same path), so a restart leaves nothing behind either.
+        self._made_dir = _private_dir(directory) or set(os.listdir(directory)) <= {
+            os.path.basename(self.path)
+        }
         if os.path.lexists(self.path):
             _remove_stale(self.path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
