@@ -8,6 +8,7 @@
 - ``model_fn``: checks every staged batch against the seq TensorFlow queued with it
   (``consumer.graph.STAGED_SEQ``): all pixels ``seq % 251`` and all tags ``seq``. The loss is
   the running count of corrupted batches, so the summary's ``loss_last`` is the total.
+  ``consistent_fn`` checks a batch against its own tag (for runs that lose batches).
 
 Child roles (real processes, real sockets):
 
@@ -67,6 +68,26 @@ def model_fn(staged, schema):
     wrong = tf.logical_or(
         tf.reduce_any(tf.not_equal(pixels, seq % 251)),
         tf.reduce_any(tf.not_equal(staged["tag"], seq)),
+    )
+    count = v1.get_variable(
+        "corrupted", [], tf.int64, initializer=v1.zeros_initializer(), trainable=False
+    )
+    update = v1.assign_add(count, tf.cast(wrong, tf.int64))
+    return tf.cast(update, tf.float32), update.op
+
+
+def consistent_fn(staged, schema):
+    """Like ``model_fn``, but checks each batch against its own tag only (every pixel
+    ``tag % 251``, one tag per batch): for runs where a producer loses batches (a trainer
+    restart) and its seq and the source's count part."""
+    import tensorflow as tf
+
+    v1 = tf.compat.v1
+    tag = staged["tag"]
+    pixels = tf.cast(staged["pixels"], tf.int64)
+    wrong = tf.logical_or(
+        tf.reduce_any(tf.not_equal(pixels, tag[0] % 251)),
+        tf.reduce_any(tf.not_equal(tag, tag[0])),
     )
     count = v1.get_variable(
         "corrupted", [], tf.int64, initializer=v1.zeros_initializer(), trainable=False
