@@ -281,12 +281,15 @@ def accept_pool(
     on_release: ReleaseHook,
     timeout: float | None = 10.0,
     check: Callable[[PoolAnnounce], None] | None = None,
+    register: Callable[[MappedPool], None] | None = None,
 ) -> MappedPool:
     """Trainer: receive a pool announce + fd, map it, answer. Refusals are answered, then
     raised as ProtocolError; the fd is closed either way (the mapping keeps the memory).
 
     ``check(announce)`` may refuse a well-formed announce (raise ProtocolError) before the
-    fd is mapped: the layout the trainer expects, the slots it granted."""
+    fd is mapped: the layout the trainer expects, the slots it granted. ``register(pool)``
+    runs after mapping and before the answer: a producer told ``ok`` may send descriptors of
+    the pool at once, so whatever routes them must know the pool by then."""
     header, fd = channel.recv(timeout)
     try:
         if fd is None:
@@ -299,6 +302,12 @@ def accept_pool(
             os.close(fd)
             raise
         pool = MappedPool(fd, announce, on_release)  # owns fd from here on
+        if register is not None:
+            try:
+                register(pool)
+            except ProtocolError:
+                pool.close()
+                raise
     except ProtocolError as exc:
         channel.send({"ok": False, "reason": exc.reason.value, "detail": exc.detail})
         raise

@@ -48,7 +48,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import Schema
 from stagefeed.common.shm_layout import PoolAnnounce, SlotLayout
 from stagefeed.common.shm_pool import pool_slots
-from stagefeed.common.shm_view import PoolTable, parse_descriptor
+from stagefeed.common.shm_view import MappedPool, PoolTable, parse_descriptor
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +347,18 @@ class ShmGate:
             )
 
     def _on_offer(self, peer: _Peer) -> None:
-        mapped = accept_pool(peer.channel, self._on_release, timeout=0, check=self._check)
+        def register(mapped: MappedPool) -> None:  # before the producer hears "ok"
+            self._register(peer, mapped)
+
+        mapped = accept_pool(
+            peer.channel, self._on_release, timeout=0, check=self._check, register=register
+        )
+        log.info(
+            "pool %s of pid %d mapped: %d slots, %.1f MiB", mapped.pool_id,
+            peer.channel.peer.pid, mapped.slots, mapped.announce.size / MIB,
+        )  # fmt: skip
+
+    def _register(self, peer: _Peer, mapped: MappedPool) -> None:
         assert peer.routing_id is not None
         with self._lock:
             old = self._pool_of.pop(peer.routing_id, None)
@@ -360,10 +371,6 @@ class ShmGate:
             self._pool_of[peer.routing_id] = mapped.pool_id
         peer.pool_id, peer.state = mapped.pool_id, "live"
         self.pools_accepted += 1
-        log.info(
-            "pool %s of pid %d mapped: %d slots, %.1f MiB", mapped.pool_id,
-            peer.channel.peer.pid, mapped.slots, mapped.announce.size / MIB,
-        )  # fmt: skip
 
     def _drop_peer(self, poller: select.poll, peer: _Peer) -> None:
         poller.unregister(peer.channel.fileno())

@@ -142,3 +142,17 @@ def test_default_socket_path_is_private_stable_and_short():
     assert path == default_socket_path("tcp://*:5555") != default_socket_path("tcp://*:5556")
     assert path.endswith("/pools-5555.sock") and len(path.encode()) <= 107
     assert len(default_socket_path("ipc:///" + "x" * 300).encode()) <= 107
+
+
+def test_a_pool_is_known_to_the_gate_before_its_producer_hears_ok(gate):
+    """The producer may send a descriptor the moment ``offer_pool`` returns: the gate must
+    route it then, not once its pools thread gets round to it (bench ingest hit this race)."""
+    lane = ShmLane("shm", "tcp://trainer:1")
+    try:
+        for seq in range(20):
+            lane.on_welcome(offer_of(gate), SCHEMA)  # a new pool each time, as on re-welcome
+            pool, slot = lane.acquire(1.0)
+            batch = gate.batch(RID, shm_batch(lane.commit(pool, slot, seq)))
+            del batch
+    finally:
+        lane.close()
