@@ -91,6 +91,11 @@ class TrainerOptions:
     hand-off, in an enqueue thread's hands), plus ``recv_threads`` copies TensorFlow makes of
     unaligned frames while an enqueue waits. A connection that ignores flow control can add
     its receive high-water mark (2 messages); ``max_message_mb`` caps each message.
+
+    With ``transport`` ``shm``/``auto`` the same counts hold, in batches, but what is queued,
+    staged and in flight from same-host producers are views of their pools: each pool holds
+    ``shm_pool.pool_slots(queue_capacity, stage_depth, credit_per_producer, shm_producers)``
+    slots (docs/shm.md "The transport as built").
     """
 
     bind: str = "tcp://*:5555"
