@@ -14,7 +14,8 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.common.shm_pool import pool_slots
-from stagefeed.consumer.shm_gate import ShmGate, default_socket_path
+from stagefeed.consumer.shm_config import default_socket_path
+from stagefeed.consumer.shm_gate import ShmGate
 from stagefeed.producer.shm_lane import ShmLane, ShmOffer
 
 from tests.conftest import wait_for
