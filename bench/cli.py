@@ -69,7 +69,7 @@ def add_parser(subparsers: Any) -> None:
     p = sub.add_parser("ingest", help="GB/s the feed path delivers, next to raw pyzmq, memcpy")
     p.add_argument("--dtypes", type=_list_of(str), default=IMAGE_DTYPES, help="float32,uint8")
     p.add_argument("--producers", type=_list_of(int), default=(1, 2, 4), help="e.g. 1,2,4")
-    p.add_argument("--transports", type=_list_of(str), default=TRANSPORTS, help="tcp,ipc")
+    p.add_argument("--transports", type=_list_of(str), default=TRANSPORTS, help="tcp,ipc,shm")
     p.add_argument("--batch-size", type=int, default=256, help="images per batch [256]")
     p.add_argument("--gb", type=float, default=3.0, help="GB moved per timed measurement [3]")
     p.add_argument("--repeats", type=int, default=3, help="measurements per peer; median [3]")

@@ -18,7 +18,9 @@ STEP_MODES = (
     "tf.data",
     "stagefeed",
 )
-TRANSPORTS = ("tcp", "ipc")
+# Loopback transports of the feed path; ``shm``: batches in shared-memory slots (control over
+# ipc), measured next to raw pyzmq over tcp.
+TRANSPORTS = ("tcp", "ipc", "shm")
 # Image dtypes the benchmarks make batches of (``common.schema.image_schema`` takes the same).
 IMAGE_DTYPES = ("float32", "uint8")
 DEVICES = ("auto", "cpu", "gpu")

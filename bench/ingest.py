@@ -4,7 +4,13 @@ The trainer is the real one (``consumer.trainer.Trainer`` with its intake, FIFOQ
 StagingArea) with ``trivial_model_fn`` as its model, so a step costs almost nothing and the
 step rate is the delivery rate. Each measurement is reported next to raw pyzmq for the same
 messages, transport and sender count, measured just before or after it (the order
-alternates), and next to single-core memcpy.
+alternates), and next to single-core memcpy. ``shm`` (batches in shared-memory slots, the
+producers copying the synthetic batch into each slot, control over ipc) has no raw pyzmq of
+its own: its peer is raw pyzmq over tcp, the transport it replaces.
+
+Each timed window also gives the feed path's CPU, in core-ms per batch (psutil; None without
+it): the producer processes, and the trainer's intake, enqueue and pool threads and ZeroMQ's
+I/O threads; for raw pyzmq, the senders and the receiving process.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import itertools
 import logging
 import os
 import statistics
+import tempfile
 import threading
 import time
 from typing import Any
@@ -34,6 +41,24 @@ from stagefeed.producer.pool import ProducerPool
 log = logging.getLogger(__name__)
 
 STAGE_DEPTH = 1
+FEED_THREADS = ("stagefeed-intake", "stagefeed-enqueue", "stagefeed-shm-pools")
+
+
+def raw_peer(transport: str) -> str:
+    """The transport raw pyzmq is measured over, next to ``transport``."""
+    return "tcp" if transport == "shm" else transport
+
+
+def _feed_cpu_s(pool: ProducerPool | None) -> float | None:
+    """CPU seconds of the feed path so far (module docstring); None without psutil."""
+    if pool is None:
+        return None
+    try:
+        from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
+    except ImportError:
+        return None
+    producers = [process_cpu_s(p.pid) for p in pool.processes]
+    return sum_cpu_s([*producers, threads_cpu_s(FEED_THREADS, ("ZMQbg/IO",))])
 
 
 def trivial_model_fn(
@@ -79,6 +104,8 @@ class _Clock:
         self.all_seen_at_step: int | None = None
         self.start_at: float | None = None
         self.timed: list[StepRecord] = []
+        self.pool: ProducerPool | None = None
+        self.cpu_s: list[float | None] = []  # the feed path's, at the window's start and end
 
     def on_step(self, record: StepRecord, trainer: Trainer) -> None:
         if self.all_seen_at_step is None and _delivering(trainer.ledger) >= self.producers:
@@ -86,9 +113,12 @@ class _Clock:
         if self.all_seen_at_step is not None:
             if record.step == self.all_seen_at_step + self.warmup:
                 self.start_at = record.at
+                self.cpu_s = [_feed_cpu_s(self.pool)]
             elif self.start_at is not None:
                 self.timed.append(record)
         if len(self.timed) >= self.count or self.outer.is_set():
+            if self.start_at is not None and len(self.cpu_s) == 1:
+                self.cpu_s.append(_feed_cpu_s(self.pool))
             self.done.set()
 
 
@@ -114,6 +144,10 @@ def measure_stagefeed(
     # receive pool (pipes + proxy), more than the intake's credit pool (recv_threads + 2).
     buffered = capacity + STAGE_DEPTH + 1 + 3 * producers
     bind, ipc_path = endpoint_for(transport, "ingest")
+    shared = transport == "shm"
+    shm_socket = os.path.join(
+        tempfile.gettempdir(), f"stagefeed-bench-shm-{os.getpid()}", "pools.sock"
+    )
     options = TrainerOptions(
         bind=bind,
         schema=schema,
@@ -123,6 +157,9 @@ def measure_stagefeed(
         queue_mb=(capacity * schema.batch_bytes + 1) / 2**20,
         stage_depth=STAGE_DEPTH,
         device=device,
+        transport="shm" if shared else "zmq",
+        shm_socket=shm_socket if shared else None,
+        shm_producers=producers,
     )
     clock = _Clock(producers, buffered + 2, count, stop)
     trainer = Trainer(options, [clock], model_fn=trivial_model_fn)
@@ -135,9 +172,11 @@ def measure_stagefeed(
                 workers=producers,
                 schema=schema,
                 inflight_mb=2 * schema.batch_bytes / 2**20,
+                transport="shm" if shared else "zmq",
             ),
             log_level,
         ).start()
+        clock.pool = pool
         trainer.train(clock.done, health_check=pool_check(pool))
     finally:
         if pool is not None:
@@ -161,7 +200,15 @@ def measure_stagefeed(
         "received": totals["received"],
         "dropped": totals["dropped"],
         "device": trainer.device,
+        "core_ms_per_batch": _per_batch_ms(clock.cpu_s, count),
+        "shm": trainer.shm_stats(),
     }
+
+
+def _per_batch_ms(cpu_s: list[float | None], count: int) -> float | None:
+    if len(cpu_s) != 2 or None in cpu_s:
+        return None
+    return round((cpu_s[1] - cpu_s[0]) * 1000 / count, 3)  # type: ignore[operator]
 
 
 def _compare(
@@ -182,7 +229,8 @@ def _compare(
             if stop.is_set():
                 raise ClosedError("stop requested")
             if which == "raw":
-                samples["raw"].append(measure_raw(schema, producers, transport, count, log_level))
+                peer = raw_peer(transport)
+                samples["raw"].append(measure_raw(schema, producers, peer, count, log_level))
             else:
                 samples["stagefeed"].append(
                     measure_stagefeed(
@@ -191,12 +239,15 @@ def _compare(
                 )
     result: dict[str, Any] = {}
     for which, runs in samples.items():
+        cpu = [r["core_ms_per_batch"] for r in runs if r.get("core_ms_per_batch") is not None]
         result[which] = {
             "gb_per_s": round(statistics.median(r["gb_per_s"] for r in runs), 3),
+            "core_ms_per_batch": round(statistics.median(cpu), 3) if cpu else None,
             "samples": runs,
         }
     result["ratio"] = round(result["stagefeed"]["gb_per_s"] / result["raw"]["gb_per_s"], 3)
     result["raw_first"] = raw_first
+    result["raw_transport"] = raw_peer(transport)
     return result
 
 

@@ -35,8 +35,8 @@ SENDER_HWM = 2  # as many unsent messages as bench ingest's producers may hold
 
 
 def endpoint_for(transport: str, tag: str) -> tuple[str, str | None]:
-    """(bind address, ipc path or None) on loopback."""
-    if transport == "ipc":
+    """(bind address, ipc path or None) on loopback; ``shm``'s control channel is ipc."""
+    if transport in ("ipc", "shm"):
         path = os.path.join(tempfile.gettempdir(), f"stagefeed-bench-{tag}-{os.getpid()}")
         return f"ipc://{path}", path
     return "tcp://127.0.0.1:*", None
@@ -104,11 +104,13 @@ def measure_raw(
             _recv(sock, procs)
             warmup += 1
         received = 0
+        cpu_before = _cpu_s(procs)
         started = time.perf_counter()
         for _ in range(count):
             frames = _recv(sock, procs)
             received += sum(memoryview(f).nbytes for f in frames[1:])
         elapsed = time.perf_counter() - started
+        cpu_after = _cpu_s(procs)
     finally:
         stop.set()
         sock.close(linger=0)
@@ -122,7 +124,23 @@ def measure_raw(
         "bytes": received,
         "seconds": round(elapsed, 4),
         "gb_per_s": round(received / elapsed / 1e9, 3),
+        "core_ms_per_batch": _per_batch_ms(cpu_before, cpu_after, count),
     }
+
+
+def _cpu_s(procs: list) -> float | None:
+    """CPU seconds of the senders and of this (receiving) process; None without psutil."""
+    try:
+        from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s
+    except ImportError:
+        return None
+    return sum_cpu_s([process_cpu_s(), *(process_cpu_s(p.pid) for p in procs)])
+
+
+def _per_batch_ms(before: float | None, after: float | None, count: int) -> float | None:
+    if before is None or after is None or not count:
+        return None
+    return round((after - before) * 1000 / count, 3)
 
 
 def _recv(sock: zmq.Socket, procs: list) -> list:

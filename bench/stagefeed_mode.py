@@ -59,7 +59,8 @@ class StagefeedMode:
 
     def setup(self) -> dict[str, Any]:
         config, schema = self.config, self.config.schema
-        if config.transport == "ipc":
+        shared = config.transport == "shm"  # batches in pool slots, control over ipc
+        if config.transport in ("ipc", "shm"):
             self._ipc_path = os.path.join(tempfile.gettempdir(), f"stagefeed-bench-{os.getpid()}")
             bind = f"ipc://{self._ipc_path}"
         else:
@@ -73,6 +74,9 @@ class StagefeedMode:
             queue_mb=config.queue_capacity * schema.batch_bytes / 2**20,
             stage_depth=STAGE_DEPTH,
             device="gpu" if self.device.startswith("/gpu") else "cpu",
+            transport="shm" if shared else "zmq",
+            shm_socket=f"{self._ipc_path}-shm/pools.sock" if shared else None,
+            shm_producers=config.producers,
         )
         self.trainer = Trainer(options, [self], model_fn=model.model_fn).start()
         producer_options = ProducerOptions(
@@ -80,6 +84,7 @@ class StagefeedMode:
             workers=config.producers,
             schema=schema,
             inflight_mb=PRODUCER_UNSENT_BATCHES * schema.batch_bytes / 2**20,
+            transport="shm" if shared else "zmq",
         )
         self.pool = ProducerPool(producer_options, logging.getLogger().level).start()
         self._thread = threading.Thread(target=self._train, name="bench-stagefeed-train")
@@ -139,7 +144,9 @@ class StagefeedMode:
         intake thread and the enqueue threads (the trainer's TF threads are not counted)."""
         assert self.pool is not None
         producers = [process_cpu_s(p.pid) for p in self.pool.processes]
-        receive = threads_cpu_s(("stagefeed-intake", "stagefeed-enqueue"), ("ZMQbg/IO",))
+        receive = threads_cpu_s(
+            ("stagefeed-intake", "stagefeed-enqueue", "stagefeed-shm-pools"), ("ZMQbg/IO",)
+        )
         return sum_cpu_s([*producers, receive])
 
     def _train(self) -> None:

@@ -92,16 +92,22 @@ def ingest_table(report: dict[str, Any]) -> str:
         f"bytes; {m['cpus']} CPUs ({m['cpu']}), load {m['load_avg_1m']} -> "
         f"{m.get('load_avg_1m_end', '?')}, {m['date']}",
         "",
-        "| dtype | MB/batch | transport | producers = recv threads | raw pyzmq GB/s "
-        "| stagefeed GB/s | stagefeed / raw | memcpy GB/s (1 core) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dtype | MB/batch | transport | producers = recv threads | raw pyzmq GB/s (over) "
+        "| stagefeed GB/s | stagefeed / raw | memcpy GB/s (1 core) | stagefeed / memcpy "
+        "| feed core-ms/batch: stagefeed, raw |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["runs"]:
         memcpy = report["memcpy"][row["dtype"]]["gb_per_s"]
+        fed = row["stagefeed"]["gb_per_s"]
+        of_memcpy = round(fed / memcpy, 3) if fed and memcpy else None
+        raw_over = row.get("raw_transport", row["transport"])
         lines.append(
             f"| {row['dtype']} | {row['batch_mb']} | {row['transport']} | {row['producers']} "
-            f"| {_cell(row['raw']['gb_per_s'])} | {_cell(row['stagefeed']['gb_per_s'])} "
-            f"| {_cell(row['ratio'])} | {_cell(memcpy)} |"
+            f"| {_cell(row['raw']['gb_per_s'])} ({raw_over}) | {_cell(fed)} "
+            f"| {_cell(row['ratio'])} | {_cell(memcpy)} | {_cell(of_memcpy)} "
+            f"| {_cell(row['stagefeed'].get('core_ms_per_batch'))}, "
+            f"{_cell(row['raw'].get('core_ms_per_batch'))} |"
         )
     lines += [
         "",
@@ -109,5 +115,10 @@ def ingest_table(report: dict[str, Any]) -> str:
         "socket, zero-copy send and receive, nothing done with them (the transport's ceiling).",
         "note: stagefeed = producer processes -> ZeroMQ -> intake -> enqueue threads -> "
         "FIFOQueue -> StagingArea, consumed by a step that reads labels and one pixel per image.",
+        "note: shm = the same, but each batch is copied by its producer into a slot of a "
+        "shared-memory pool and only a descriptor crosses ZeroMQ (ipc); TF aliases the slot. "
+        "Its raw pyzmq peer is tcp.",
+        "note: feed core-ms/batch = CPU of the producers, the trainer's intake, enqueue and "
+        "pool threads and ZeroMQ I/O threads (raw: senders + receiver) per timed batch.",
     ]
     return "\n".join(lines)

@@ -64,6 +64,7 @@ class DropReason(enum.StrEnum):
     SHM_SEALS = "shm_seals"  # pool fd is not a memfd sealed against shrink and grow
     SHM_POOL_SIZE = "shm_pool_size"  # pool fd size differs from the announced layout
     SHM_FD = "shm_fd"  # fd message: no fd, more than one, truncated or from a refused peer
+    SHM_TOKEN = "shm_token"  # pool offered without the token of a live connection's welcome
 
 
 class ProtocolError(StagefeedError):

@@ -28,7 +28,7 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import msgpack
@@ -203,15 +203,21 @@ class FdChannel:
 
 class FdListener:
     """Listens at ``path``; the socket file is 0600 in a 0700 directory, removed by
-    ``close()`` (idempotent) with the directory if this listener created it; a peer whose uid
-    is not in ``allowed_uids`` is refused."""
+    ``close()`` (idempotent) with the directory if this listener created it (or found it
+    holding nothing but a stale socket at ``path``); a peer whose uid is not in
+    ``allowed_uids`` is refused."""
 
     def __init__(
         self, path: str, allowed_uids: Collection[int] | None = None, backlog: int = 16
     ) -> None:
         self.path = os.path.abspath(path)
         self.allowed_uids = frozenset(allowed_uids or {os.geteuid()})
-        self._made_dir = _private_dir(os.path.dirname(self.path))
+        directory = os.path.dirname(self.path)
+        # Ours to remove at close: made here, or left empty but for this socket (by a killed
+        # trainer at the same path), so a restart leaves nothing behind either.
+        self._made_dir = _private_dir(directory) or set(os.listdir(directory)) <= {
+            os.path.basename(self.path)
+        }
         if os.path.lexists(self.path):
             _remove_stale(self.path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -271,20 +277,37 @@ def offer_pool(channel: FdChannel, pool: SlotPool, timeout: float = 10.0) -> Non
 
 
 def accept_pool(
-    channel: FdChannel, on_release: ReleaseHook, timeout: float | None = 10.0
+    channel: FdChannel,
+    on_release: ReleaseHook,
+    timeout: float | None = 10.0,
+    check: Callable[[PoolAnnounce], None] | None = None,
+    register: Callable[[MappedPool], None] | None = None,
 ) -> MappedPool:
     """Trainer: receive a pool announce + fd, map it, answer. Refusals are answered, then
-    raised as ProtocolError; the fd is closed either way (the mapping keeps the memory)."""
+    raised as ProtocolError; the fd is closed either way (the mapping keeps the memory).
+
+    ``check(announce)`` may refuse a well-formed announce (raise ProtocolError) before the
+    fd is mapped: the layout the trainer expects, the slots it granted. ``register(pool)``
+    runs after mapping and before the answer: a producer told ``ok`` may send descriptors of
+    the pool at once, so whatever routes them must know the pool by then."""
     header, fd = channel.recv(timeout)
     try:
         if fd is None:
             raise ProtocolError(DropReason.SHM_FD, "pool announce without an fd")
         try:
             announce = PoolAnnounce.from_wire(header)
+            if check is not None:
+                check(announce)
         except ProtocolError:
             os.close(fd)
             raise
         pool = MappedPool(fd, announce, on_release)  # owns fd from here on
+        if register is not None:
+            try:
+                register(pool)
+            except ProtocolError:
+                pool.close()
+                raise
     except ProtocolError as exc:
         channel.send({"ok": False, "reason": exc.reason.value, "detail": exc.detail})
         raise

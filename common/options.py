@@ -6,6 +6,7 @@ A bad value raises ``ConfigError`` naming the field and the value, before anythi
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 from stagefeed.common import endpoints
@@ -14,6 +15,10 @@ from stagefeed.common.protocol import MAX_HEADER_BYTES as HEADER
 from stagefeed.common.schema import DEFAULT_SCHEMA, Schema
 
 DEVICES = ("auto", "cpu", "gpu")
+# How batches travel (docs/shm.md): ZeroMQ frames, slots of a shared-memory pool (same host,
+# same user; the trainer also takes ZeroMQ batches), or shared memory where it works.
+TRANSPORTS = ("zmq", "shm", "auto")
+UNIX_PATH_MAX = 107  # bytes of an AF_UNIX socket path (sun_path, less the terminating NUL)
 MIB = 2**20
 MAX_UNSENT = 64  # batches a producer holds at most, however small: credit bounds sends anyway
 
@@ -25,6 +30,11 @@ def check_endpoint(field: str, value: str) -> None:
     ``*``, port ``*`` or 0, ``ipc://*``); any other field names an address to connect to.
     """
     endpoints.parse(field, value, bind=field.lower().endswith("bind"))
+
+
+def _check_transport(value: str) -> None:
+    if value not in TRANSPORTS:
+        raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
 
 
 def _positive(field: str, value: float, *, zero_ok: bool = False) -> None:
@@ -53,9 +63,11 @@ class ProducerOptions:
     max_batches: int = 0  # per worker; 0 = until stopped
     seed: int = 0
     curve_keys: str | None = None  # directory written by ``stagefeed keygen``
+    transport: str = "zmq"  # "shm": pool slots or fail; "auto": pool slots where they work
 
     def __post_init__(self) -> None:
         check_endpoint("connect", self.connect)
+        _check_transport(self.transport)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
         if self.schema is not None and not isinstance(self.schema, Schema):
@@ -81,6 +93,11 @@ class TrainerOptions:
     hand-off, in an enqueue thread's hands), plus ``recv_threads`` copies TensorFlow makes of
     unaligned frames while an enqueue waits. A connection that ignores flow control can add
     its receive high-water mark (2 messages); ``max_message_mb`` caps each message.
+
+    With ``transport`` ``shm``/``auto`` the same counts hold, in batches, but what is queued,
+    staged and in flight from same-host producers are views of their pools: each pool holds
+    ``shm_pool.pool_slots(queue_capacity, stage_depth, credit_per_producer, shm_producers)``
+    slots (docs/shm.md "The transport as built").
     """
 
     bind: str = "tcp://*:5555"
@@ -98,9 +115,25 @@ class TrainerOptions:
     model: str = "alexnet"  # --model: "alexnet" or module:NAME (see consumer/models.py)
     credit_per_producer: int = 2  # batches one producer may have in flight towards us
     producer_timeout_s: float = 10.0  # a connection silent this long is forgotten
+    transport: str = "zmq"  # "shm"/"auto": also map producers' pools (ZeroMQ batches still go)
+    shm_socket: str | None = None  # where pools are offered; None: see consumer/shm_gate.py
+    shm_producers: int = 1  # same-host producers the pools are sized for (docs/shm.md)
 
     def __post_init__(self) -> None:
         check_endpoint("bind", self.bind)
+        _check_transport(self.transport)
+        if self.shm_socket is not None and (
+            not isinstance(self.shm_socket, str)
+            or not os.path.isabs(self.shm_socket)
+            or len(os.fsencode(self.shm_socket)) > UNIX_PATH_MAX
+        ):
+            raise ConfigError(
+                f"shm_socket must be an absolute path of at most {UNIX_PATH_MAX} bytes "
+                f"(a unix socket), got {self.shm_socket!r}"
+            )
+        producers = self.shm_producers
+        if type(producers) is not int or not 1 <= producers <= 256:
+            raise ConfigError(f"shm_producers must be an integer in [1, 256], got {producers!r}")
         if not isinstance(self.recv_threads, int) or not 1 <= self.recv_threads <= 64:
             raise ConfigError(
                 f"recv_threads must be an integer in [1, 64], got {self.recv_threads!r}"

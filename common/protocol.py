@@ -3,19 +3,28 @@
 Every message starts with a msgpack map, the header, ``{"v": 2, "t": KIND, ...}``. From a
 producer:
 
-- ``hello``  ``{"name": str, "schema": Schema.to_dict() | None}``: first on every connection;
-  ``None`` asks for the trainer's schema.
+- ``hello``  ``{"name": str, "schema": Schema.to_dict() | None[, "shm": true]}``: first on every
+  connection; ``None`` asks for the trainer's schema; ``shm`` says the producer can hand
+  batches over in shared memory (docs/shm.md).
 - ``batch``  ``{"seq": int, "arrays": [[name, dtype.str, shape], ...]}``, then one raw frame
   per array, C order, in the header's order. Sent only against credit (see below).
+- ``shm_batch`` ``{"seq": int, "desc": {"pool", "slot", "gen", "seq"}}``: a batch committed in
+  a slot of the producer's shared-memory pool (one frame, no data). Sent only against credit,
+  like ``batch``; ``desc`` is checked by ``common.shm_view`` (``shm_*`` drop reasons).
 - ``end``    ``{"seq": int}``: the source ended after ``seq`` batches (0..seq-1).
 - ``ping``   ``{}``: still here (sent while idle, so the trainer keeps its credit).
 
 From the trainer:
 
-- ``welcome`` ``{"schema": dict, "max_message": int, "credit": int}``: hello accepted.
+- ``welcome`` ``{"schema": dict, "max_message": int, "credit": int[, "shm_socket": str,
+  "shm_token": str, "shm_slots": int]}``: hello accepted. The three ``shm_*`` fields come
+  together, only to a hello that said ``shm`` and only from a trainer that maps pools: where
+  to offer the pool, the token that ties the offer to this connection, its slot count.
 - ``refused`` ``{"reason": str, "detail": str}``: hello refused (schema mismatch, limits).
 - ``credit``  ``{"n": int}``: the producer may send ``n`` more batches.
 - ``dropped`` ``{"seq": int, "reason": str, "detail": str}``: a batch was refused, and why.
+- ``release`` ``{"pool": str, "slot": int, "gen": int}``: TensorFlow is done with that slot
+  generation of the producer's pool; it may be written again.
 - ``bye``     ``{}``: the trainer is closing.
 
 Decoding is zero-copy (``np.frombuffer`` over the received frame) and strict: every field is
@@ -50,21 +59,36 @@ PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 16384
 MAX_DETAIL_LEN = 300
 MAX_PRODUCER_NAME = 64
-FROM_PRODUCER = frozenset(["hello", "batch", "end", "ping"])
-FROM_TRAINER = frozenset(["welcome", "refused", "credit", "dropped", "bye"])
+FROM_PRODUCER = frozenset(["hello", "batch", "shm_batch", "end", "ping"])
+FROM_TRAINER = frozenset(["welcome", "refused", "credit", "dropped", "release", "bye"])
 # Keys of each kind besides "v" and "t", with the Python types they must have.
 _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {"name": (str,), "schema": (dict, type(None))},
     "batch": {"seq": (int,), "arrays": (list,)},
+    "shm_batch": {"seq": (int,), "desc": (dict,)},
     "end": {"seq": (int,)},
     "ping": {},
     "welcome": {"schema": (dict,), "max_message": (int,), "credit": (int,)},
     "refused": {"reason": (str,), "detail": (str,)},
     "credit": {"n": (int,)},
     "dropped": {"seq": (int,), "reason": (str,), "detail": (str,)},
+    "release": {"pool": (str,), "slot": (int,), "gen": (int,)},
     "bye": {},
 }
-_INT_RANGE = {"seq": (0, 2**63), "max_message": (1, 2**40), "credit": (0, 2**20), "n": (1, 2**20)}
+# Optional keys of a kind: all of them or none (v2 stays strict: nothing else is accepted).
+_OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
+    "hello": {"shm": (bool,)},
+    "welcome": {"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},
+}
+_INT_RANGE = {
+    "seq": (0, 2**63),
+    "max_message": (1, 2**40),
+    "credit": (0, 2**20),
+    "n": (1, 2**20),
+    "slot": (0, 4096),
+    "gen": (1, 2**64),
+    "shm_slots": (1, 4097),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +104,24 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not accepted")
 
 
+def _fields_problem(kind: str, keys: set[str]) -> str | None:
+    """Why ``keys`` (besides "v" and "t") are not a ``kind`` message's, or None."""
+    required, optional = set(_FIELDS[kind]), set(_OPTIONAL.get(kind, ()))
+    extra = keys - required - optional
+    missing = required - keys
+    partial = keys & optional and keys & optional != optional
+    if not (extra or missing or partial):
+        return None
+    unexpected = sorted(excerpt(k) for k in extra)[:4]
+    missing_text = sorted(missing | (optional - keys if partial else set()))
+    return f"{kind}: unexpected {unexpected}, missing {missing_text}"
+
+
 def encode_control(kind: str, **fields: Any) -> bytes:
     """One control message (every kind but ``batch``), checked against its field table."""
-    if set(fields) != set(_FIELDS[kind]) or kind == "batch":
-        raise ValueError(f"{kind}: fields {sorted(fields)}, expected {sorted(_FIELDS[kind])}")
+    problem = _fields_problem(kind, set(fields))
+    if problem or kind == "batch":
+        raise ValueError(f"{problem or kind}; expected {sorted(_FIELDS[kind])}")
     if "detail" in fields:
         fields["detail"] = fields["detail"][:MAX_DETAIL_LEN]
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": kind, **fields})
@@ -131,16 +169,15 @@ def decode_header(raw: Any, kinds: frozenset[str]) -> dict[str, Any]:
     kind = header.get("t")
     if not isinstance(kind, str) or kind not in kinds:
         raise ProtocolError(DropReason.KIND, f"message kind {excerpt(kind)}")
-    fields = _FIELDS[kind]
-    if set(header) != {"v", "t", *fields}:
-        extra = sorted(excerpt(k) for k in set(header) - {"v", "t", *fields})[:4]
-        missing = sorted(set(fields) - set(header))
-        raise ProtocolError(
-            DropReason.HEADER_FIELDS, f"{kind}: unexpected {extra}, missing {missing}"
-        )
+    problem = _fields_problem(kind, set(header) - {"v", "t"})
+    if problem:
+        raise ProtocolError(DropReason.HEADER_FIELDS, problem)
+    fields = {**_FIELDS[kind], **_OPTIONAL.get(kind, {})}
     for key, types in fields.items():
+        if key not in header:
+            continue
         value = header[key]
-        if not isinstance(value, types) or isinstance(value, bool):
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")
         if key in _INT_RANGE and not _INT_RANGE[key][0] <= value < _INT_RANGE[key][1]:
             raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")

@@ -36,7 +36,7 @@ FREE, WRITING, COMMITTED = 0, 1, 2
 ANNOUNCE_VERSION = 1
 MAX_SLOTS = 4096
 MAX_ARRAYS = 16
-MAX_NDIM = 8
+MAX_NDIM = 9  # the schema's 8 dimensions per example, plus the batch
 MAX_DIM = 2**31 - 1
 MAX_POOL_BYTES = 2**40
 MAX_U64 = 2**64 - 1
@@ -44,7 +44,7 @@ MAX_U64 = 2**64 - 1
 ALLOWED_DTYPES = frozenset(
     ["|b1", "|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8"]
 )
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # the schema's array names
 POOL_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 MIB = 2**20
 
@@ -68,7 +68,9 @@ class ArraySpec:
             raise ConfigError(f"array {self.name!r}: dtype {self.dtype!r} not in {ALLOWED_DTYPES}")
         shape = self.shape
         if not isinstance(shape, tuple) or len(shape) > MAX_NDIM:
-            raise ConfigError(f"array {self.name!r}: shape {shape!r} must be a tuple, <= 8 dims")
+            raise ConfigError(
+                f"array {self.name!r}: shape {shape!r} must be a tuple, <= {MAX_NDIM} dims"
+            )
         for dim in shape:
             if type(dim) is not int or not 1 <= dim <= MAX_DIM:
                 raise ConfigError(f"array {self.name!r}: dimension {dim!r} must be 1..{MAX_DIM}")

@@ -42,6 +42,7 @@ from stagefeed.common.shm_layout import (
     F_SEAL_SHRINK,
     FREE,
     GEN,
+    MAX_SLOTS,
     MAX_U64,
     MIB,
     SEQ,
@@ -75,6 +76,19 @@ def slots_per_pool(total: int, producers: int) -> int:
     if type(total) is not int or type(producers) is not int or not 1 <= producers <= total:
         raise ConfigError(f"need 1 <= producers ({producers!r}) <= total slots ({total!r})")
     return math.ceil((total - producers) / producers) + 1
+
+
+def pool_slots(queue_capacity: int, stage_depth: int, credit: int, producers: int) -> int:
+    """Slots of each producer's pool for a trainer of this queue, staging depth and credit,
+    sized for ``producers`` same-host producers (docs/shm.md "Sizing").
+
+    Across the pools: every queued and staged batch, the one a step trains on, each
+    producer's credit in flight (committed, not yet enqueued) and one slot per producer to
+    fill. Never fewer than ``stage_depth + 2``, so one producer alone always makes progress
+    (the train loop waits for one queued batch beyond the staged ones before a step).
+    """
+    total = slots_needed(queue_capacity, stage_depth + 1, credit * producers, producers)
+    return min(MAX_SLOTS, max(stage_depth + 2, slots_per_pool(total, producers)))
 
 
 def reserve(fd: int, nbytes: int, what: str = "shared-memory pool") -> None:

@@ -22,6 +22,10 @@ from tensorflow.python.ops.data_flow_ops import StagingArea
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1
+# Graph collections holding the staged batch's connection index (int32) and sequence number
+# (int64): ``v1.get_collection(STAGED_SEQ)[0]`` inside a model_fn (the shm canary test).
+STAGED_PEER = "stagefeed_staged_peer"
+STAGED_SEQ = "stagefeed_staged_seq"
 
 
 def pick_device(requested: str = "auto") -> str:
@@ -143,6 +147,9 @@ def build(
             put = staging.put(dequeued)
             staged_size = staging.size()
             *arrays, peer, seq = staging.get()
+            # Where each staged batch came from, for a model_fn that checks its input.
+            v1.add_to_collection(STAGED_PEER, peer)
+            v1.add_to_collection(STAGED_SEQ, seq)
             staged = cast_on_device(dict(zip(schema.names, arrays, strict=True)), schema)
             loss, train = model_fn(staged, schema)
             step = tf.group(train, put, name="step")

@@ -5,6 +5,12 @@
     producers (DEALER) ──tcp/ipc──▶ ROUTER ─ stagefeed-intake ─▶ hand-off (bounded) ─▶
         stagefeed-enqueue-0..K-1 ─▶ enqueue(arrays, peer, seq) (FIFOQueue) ─▶ credit back
 
+With ``--transport shm|auto`` a ``shm_batch`` carries a slot descriptor instead of frames
+(``consumer.shm_gate``): the intake checks it, hands the enqueue threads read-only views of
+the producer's slot exactly like decoded frames, and sends ``release`` to the owning
+connection once TensorFlow has dropped the last tensor using the slot (the gate's wake-up
+fd is in this thread's poll). Credit paces both kinds alike.
+
 The intake thread is the only user of the ROUTER socket. It reads each message frame by frame
 (``RCVMORE``), keeping at most ``1 + MAX_ARRAYS`` frames and ``max_message_bytes``; anything
 beyond is drained, not kept, and dropped. It never blocks on anything but ``poll``: batches
@@ -35,8 +41,10 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, Schema, schema_difference
+from stagefeed.consumer.availability import Availability
 from stagefeed.consumer.connections import Connections
 from stagefeed.consumer.peers import PeerMonitor
+from stagefeed.consumer.shm_gate import ShmGate
 
 log = logging.getLogger(__name__)
 
@@ -47,28 +55,6 @@ MAX_LIVE_CONNECTIONS = 256
 INTERNAL_LOG_INTERVAL_S = 5.0
 # (arrays, peer index, seq) -> False if the queue was closed for shutdown.
 Enqueue = Callable[[dict[str, Any], int, int], bool]
-
-
-class Availability:
-    """Batches made available in the FIFOQueue, counted after each enqueue returns.
-
-    Invariant: ``enqueued - consumed`` (the train loop's count of dequeues) is a lower bound on
-    the queue's size, so a dequeue issued when it is positive never blocks.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.enqueued = 0
-
-    def add(self) -> None:
-        with self._cond:
-            self.enqueued += 1
-            self._cond.notify_all()
-
-    def wait_for(self, count: int, timeout_s: float) -> bool:
-        """True once at least ``count`` batches were enqueued in total."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.enqueued >= count, timeout_s)
 
 
 class Intake:
@@ -112,9 +98,13 @@ class Intake:
         self._data_ended = threading.Event()
         self._closed = False
         self.endpoint = ""
+        self.shm: ShmGate | None = None
 
     def start(self) -> Intake:
-        """Bind and start the threads; ``ConfigError`` if the address cannot be bound."""
+        """Bind and start the threads; ``ConfigError`` if the address cannot be bound (or, with
+        ``transport="shm"``, the pool socket cannot be made)."""
+        if self.options.transport != "zmq":
+            self.shm = ShmGate.open(self.options, self.schema, self._ledger)
         self._ctx = zmq.Context(io_threads=min(4, self.options.recv_threads))
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.RCVHWM, 2)
@@ -131,6 +121,8 @@ class Intake:
             peers.abandon()
             self._close_configurator()
             self._ctx.term()
+            if self.shm is not None:
+                self.shm.close()
             raise ConfigError(f"cannot bind {self.options.bind!r}: {exc}") from None
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ipc_file = IpcFile(self.endpoint)
@@ -152,6 +144,8 @@ class Intake:
         for thread in self._threads:
             thread.daemon = True  # a last resort only: close() joins them with a deadline
             thread.start()
+        if self.shm is not None:
+            self.shm.start(self._failures.put)
         log.info(
             "listening on %s: %s; %d enqueue threads, %d credits (%.1f MiB in flight at most)",
             self.endpoint, self.schema.describe(), self.options.recv_threads, self.credit_pool,
@@ -181,6 +175,8 @@ class Intake:
             self._ctx.term()
         if self._ipc_file is not None:
             self._ipc_file.remove()
+        if self.shm is not None:
+            self.shm.close()
 
     def _close_configurator(self) -> list[str]:
         """Stop what the socket configurator runs (CURVE's authenticator): before ``term``."""
@@ -201,6 +197,8 @@ class Intake:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(credits, zmq.POLLIN)
+        if self.shm is not None:
+            poller.register(self.shm.wake_fd, zmq.POLLIN)
         next_expiry = time.monotonic() + EXPIRE_EVERY_S
         try:
             while not self._stop.is_set():
@@ -216,6 +214,7 @@ class Intake:
                     next_expiry = time.monotonic() + EXPIRE_EVERY_S
                     self._expire()
                 self._send_grants(router)
+                self._send_releases(router)
                 self._update_data_ended()
             for conn in self._conns.live():
                 self._reply(router, conn.routing_id, "bye")
@@ -283,7 +282,9 @@ class Intake:
             raise ProtocolError(DropReason.NO_HELLO, f"{kind} before hello")
         self._conns.seen(conn)
         if kind == "batch":
-            self._on_batch(router, conn, header, frames)
+            self._on_batch(router, conn, header, lambda: protocol.decode_batch(header, frames))
+        elif kind == "shm_batch":
+            self._on_batch(router, conn, header, lambda: self._shm_batch(conn, header))
         elif kind == "end":
             self._ledger.ended(conn.index, header["seq"])
             self._conns.end(conn)
@@ -314,20 +315,24 @@ class Intake:
         granting = self._granting.is_set()
         grants = dict((c.routing_id, n) for c, n in self._conns.grants()) if granting else {}
         credit = grants.pop(routing_id, 0)
+        wants_shm = self.shm is not None and header.get("shm") is True
+        shm = self.shm.offer(routing_id, conn.index) if wants_shm else {}
         self._reply(
             router, routing_id, "welcome", schema=self.schema.to_dict(),
-            max_message=self.options.max_message_bytes, credit=credit,
+            max_message=self.options.max_message_bytes, credit=credit, **shm,
         )  # fmt: skip
         for rid, n in grants.items():
             self._reply(router, rid, "credit", n=n)
 
-    def _on_batch(self, router: zmq.Socket, conn, header: dict, frames: list[zmq.Frame]) -> None:
+    def _on_batch(
+        self, router: zmq.Socket, conn, header: dict, decode: Callable[[], protocol.Batch]
+    ) -> None:
         seq = header["seq"]
         if not self._conns.use_credit(conn):
             self._refuse_batch(router, conn, seq, DropReason.NO_CREDIT, "sent without credit")
             return
         try:
-            batch = protocol.decode_batch(header, frames)
+            batch = decode()
             protocol.check_against_schema(batch, self.schema)
         except ProtocolError as exc:
             self._conns.finished(conn.routing_id)
@@ -339,7 +344,21 @@ class Intake:
             self._reply(router, conn.routing_id, "dropped", seq=seq, reason=reason.value,
                         detail=f"seq {seq}")  # fmt: skip
             return
+        if header["t"] == "shm_batch":
+            self.shm.batches += 1
         self._handoff.put_nowait((conn.routing_id, conn.index, seq, batch.arrays))
+
+    def _shm_batch(self, conn, header: dict) -> protocol.Batch:
+        if self.shm is None:
+            raise ProtocolError(DropReason.SHM_POOL, "this trainer maps no pools (--transport zmq)")
+        return self.shm.batch(conn.routing_id, header)
+
+    def _send_releases(self, router: zmq.Socket) -> None:
+        """Slots TensorFlow let go of, back to their producers (the finalizers queued them)."""
+        if self.shm is None:
+            return
+        for routing_id, pool, slot, gen in self.shm.releases():
+            self._reply(router, routing_id, "release", pool=pool, slot=slot, gen=gen)
 
     def _refuse_batch(self, router, conn, seq: int, reason: DropReason, detail: str) -> None:
         self._ledger.drop(reason, f"producer {conn.name}: {detail}", conn.index)
@@ -367,6 +386,8 @@ class Intake:
 
     def _expire(self) -> None:
         for conn in self._conns.expire():
+            if self.shm is not None:
+                self.shm.forget(conn.routing_id)
             if self._ledger.forget_if_idle(conn.index):
                 log.debug("connection %s went away without delivering", conn.name)
             elif not conn.ended:
@@ -412,6 +433,7 @@ class Intake:
                         self._ledger.enqueued(index)
                         self.availability.add()
                 finally:
+                    del arrays  # a shared-memory slot must not outlive what TF holds of it
                     # Never blocks: after stop the intake may have closed its end already, and
                     # the credit no longer matters then.
                     try:

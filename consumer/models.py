@@ -5,7 +5,8 @@ Two kinds of model, told apart by the function's parameters:
 - a graph-mode ``model_fn(staged, schema) -> (loss, train_op)``: ``staged`` is a dict of the
   schema's arrays as staged on the training device (cast and scaled as the schema declares);
   it builds its variables and returns the loss tensor and the train op. The seed's AlexNet is
-  one (``alexnet``, the default).
+  one (``alexnet``, the default). The staged batch's sequence number and connection index
+  are in the graph collections ``consumer.graph.STAGED_SEQ`` / ``STAGED_PEER``.
 - a Keras ``build(schema) -> keras.Model``, compiled: trained with ``model.fit`` on the feed's
   ``tf.data.Dataset``.
 

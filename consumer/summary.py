@@ -25,6 +25,8 @@ def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, A
     return {
         "device": trainer.device,
         "endpoint": trainer.endpoint,
+        "transport": trainer.transport,
+        "shm": trainer.shm_stats(),
         "batch_size": spec.batch_size,
         "schema": spec.describe(),
         "wire_dtype": spec.wire_dtype,
@@ -62,6 +64,20 @@ def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, A
     }
 
 
+def _transport_line(s: dict[str, Any]) -> str:
+    shm = s.get("shm")
+    line = f"  transport {s.get('transport', '?')}, endpoint {s['endpoint']}"
+    if not shm:
+        return line
+    by_zmq = s["batches"]["received"] - shm["batches"]
+    return (
+        f"{line}; shared-memory pools offered at {shm['socket']}: {shm['slots_per_pool']} "
+        f"slots of {shm['slot_mb']} MiB = {shm['pool_mb']} MiB per producer (sized for "
+        f"{shm['sized_for_producers']}), {shm['pools_accepted']} pools mapped; batches by "
+        f"shared memory {shm['batches']}, by ZeroMQ {by_zmq}"
+    )
+
+
 def _round(value: float, digits: int = 2) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, digits)
 
@@ -80,6 +96,7 @@ def format_text(summary: dict[str, Any]) -> str:
         f"  device {s['device']}, batch {s['schema']} ({s['batch_mb']} MiB), "
         f"{s['recv_threads']} enqueue threads, "
         f"queue {s['queue_capacity']} batches, staging depth {s['stage_depth']}",
+        _transport_line(s),
         f"  steps {s['steps']} timed (+{s['warmup_steps']} warm-up)"
         + (" - interrupted" if s["interrupted"] else "")
         + (" - every producer's data ended" if s.get("data_ended") else ""),

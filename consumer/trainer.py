@@ -110,6 +110,19 @@ class Trainer:
         return self
 
     @property
+    def transport(self) -> str:
+        """How batches reach this trainer: ``tcp``/``ipc`` (ZeroMQ), or ``shm+tcp``/``shm+ipc``
+        when it also maps producers' shared-memory pools (control over the ZeroMQ one)."""
+        scheme = self.endpoint.split("://", 1)[0] or "tcp"
+        shm = self._intake.shm if self._intake is not None else None
+        return scheme if shm is None else f"shm+{scheme}"
+
+    def shm_stats(self) -> dict[str, Any] | None:
+        """The pools' socket, sizing and counts (``consumer.shm_gate``); None without shm."""
+        shm = self._intake.shm if self._intake is not None else None
+        return None if shm is None else shm.stats()
+
+    @property
     def queue_batches(self) -> int:
         """Batches in the FIFOQueue (lower bound; no TF call)."""
         if self._intake is None:

@@ -22,6 +22,11 @@ Invariants:
 - release: ``on_release`` of a batch runs exactly once, in the owner's thread, during a later
   call to this object, and only once ZeroMQ has released the batch's buffers (or has dropped
   them with a lost connection). Buffer reuse is safe because of this.
+- shared memory (``transport`` shm or auto): ``acquire_slot`` gives a slot of the pool the
+  current trainer accepted (None: send over ZeroMQ instead), the caller fills it, then
+  ``commit_slot`` (None if the pool was retired meanwhile: that batch is lost with the old
+  trainer) and ``send_descriptor``. A descriptor is released as soon as ZeroMQ has it (one
+  small frame); the slot itself comes back when the trainer's ``release`` arrives.
 - waiting: a method that waits (``open``, ``send``, ``finish``) wakes every ``POLL_S`` and
   raises ``ClosedError`` as soon as ``stop.is_set()``; none ever blocks inside a socket call.
 """
@@ -43,6 +48,7 @@ from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, ProtocolError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.schema import Schema
+from stagefeed.common.shm_pool import SlotPool
 from stagefeed.producer.handoff import (
     Drained,
     Dropped,
@@ -56,6 +62,7 @@ from stagefeed.producer.handoff import (
     Welcomed,
 )
 from stagefeed.producer.link import Link
+from stagefeed.producer.shm_lane import ShmLane, ignore_sigxfsz
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,7 @@ class TrainerChannel:
         *,
         max_unsent: int | Callable[[Schema], int],
         configure: Callable[[zmq.Socket], None] | None = None,
+        transport: str = "zmq",
     ) -> None:
         try:
             protocol.check_producer_name(name)
@@ -94,6 +102,9 @@ class TrainerChannel:
         self._ctx = zmq.Context(io_threads=1)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self.lane = ShmLane(transport, endpoint) if transport != "zmq" else None
+        if self.lane is not None:
+            ignore_sigxfsz()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -107,6 +118,7 @@ class TrainerChannel:
             self._commands,
             self._wake_read,
             self._events,
+            self.lane,
         )
         self._thread = threading.Thread(target=link.run, name=THREAD_NAME, daemon=True)
         self.welcome: Welcome | None = None
@@ -147,15 +159,50 @@ class TrainerChannel:
         until ``on_release`` runs (or, without one, must not be written again at all).
         """
         welcome = self._require_open()
-        if seq in self._on_release:
-            raise ValueError(f"batch seq {seq} is already held")
         frames = protocol.encode_batch(seq, [(name, arrays[name]) for name in welcome.schema.names])
+        self._hand_over(Outgoing(seq, frames), stop, on_release)
+
+    def send_descriptor(self, desc: dict[str, Any], seq: int, stop: Any) -> None:
+        """Hand over batch ``seq``, committed in a slot (``commit_slot``'s descriptor)."""
+        self._require_open()
+        header = protocol.encode_control("shm_batch", seq=seq, desc=desc)
+        self._hand_over(Outgoing(seq, [header], pool=desc["pool"]), stop, None)
+
+    def _hand_over(self, out: Outgoing, stop: Any, on_release: Callable[[], None] | None) -> None:
+        welcome = self._require_open()
+        if out.seq in self._on_release:
+            raise ValueError(f"batch seq {out.seq} is already held")
         self._drain()
         while self._accepted - self._released >= welcome.max_unsent:
             self._wait(stop)
-        self._on_release[seq] = on_release
+        self._on_release[out.seq] = on_release
         self._accepted += 1
-        self._command(Outgoing(seq, frames))
+        self._command(out)
+
+    def acquire_slot(self, stop: Any) -> tuple[SlotPool, int] | None:
+        """A slot to fill (WRITING), or None to send this batch over ZeroMQ. Waits for a free
+        slot (or the trainer's first welcome); ``ClosedError`` on stop, the channel's failure
+        if it failed (a trainer that refuses shared memory with transport shm)."""
+        self._require_open()
+        assert self.lane is not None
+        while True:
+            self._drain()
+            if stop.is_set():
+                raise ClosedError("stop requested")
+            try:
+                return self.lane.acquire(POLL_S)
+            except TimeoutError:
+                if not self._thread.is_alive() and self._events.empty():
+                    raise BrokenError(f"the channel to {self.endpoint} ended") from None
+
+    def commit_slot(self, pool: SlotPool, slot: int, seq: int) -> dict[str, Any] | None:
+        """The descriptor of the filled slot; None if its pool was retired (batch lost)."""
+        assert self.lane is not None
+        return self.lane.commit(pool, slot, seq)
+
+    def discard_slot(self, pool: SlotPool, slot: int) -> None:
+        assert self.lane is not None
+        self.lane.discard(pool, slot)
 
     # The four counts below never raise: a failure they see waits for the next call that
     # acts (``send``, ``finish``), so they are safe in log lines and ``finally`` blocks.
@@ -204,6 +251,8 @@ class TrainerChannel:
             self._command(Shutdown(max(0, int(linger_s * 1000))))
             stuck = join_threads([self._thread], JOIN_TIMEOUT_S)
         self._drain(reraise=False)
+        if self.lane is not None and not stuck:
+            self.lane.close()
         if not stuck:
             os.close(self._wake_read)
             os.close(self._wake_write)

@@ -29,12 +29,14 @@ class Welcome:
 
 @dataclasses.dataclass
 class Outgoing:
-    """One batch: ``frames`` (header, then one buffer per array) and, once sent, the trackers
-    of its zero-copy frames. Owned by the channel thread once handed over."""
+    """One batch: ``frames`` (header, then one buffer per array; a ``shm_batch`` header alone)
+    and, once sent, the trackers of its zero-copy frames. Owned by the channel thread once
+    handed over."""
 
     seq: int
     frames: list[Any]
     trackers: list[zmq.MessageTracker] = dataclasses.field(default_factory=list)
+    pool: str | None = None  # a shm_batch: the pool its slot is in
 
 
 @dataclasses.dataclass(frozen=True)

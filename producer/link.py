@@ -16,6 +16,11 @@ last, no usable tracker). A batch is *released* once every tracker is done: Zero
 those bytes to the kernel and dropped its references, so the buffers may be rewritten. A
 batch with no large frame is released when sent: ZeroMQ holds only its own copies.
 
+Shared memory (``lane``, ``producer.shm_lane``): after every welcome the thread hands the
+welcome's offer to the lane before it writes anything, so a descriptor never precedes the
+pool it names; a ``shm_batch`` waiting for credit whose pool has since been retired is not
+sent (released at once; the trainer it was for is gone). A descriptor is one frame.
+
 Pings: whenever nothing was sent for ``PING_S`` on a welcomed connection, batch waiting or
 not, so a trainer that forgets silent producers (~10 s) never forgets a live one, even while
 the source blocks: this thread does not depend on the main loop to run.
@@ -45,6 +50,7 @@ from stagefeed.producer.handoff import (
     Shutdown,
 )
 from stagefeed.producer.session import Session
+from stagefeed.producer.shm_lane import ShmLane
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +80,21 @@ class Link:
         commands: queue.SimpleQueue,
         wake_fd: int,
         events: queue.SimpleQueue,
+        lane: ShmLane | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._lane = lane
+        self._welcomes_seen = 0
         self._ctx = ctx
         self._max_unsent_of = max_unsent_of
         self._configure = configure
         self._commands = commands
         self._wake_fd = wake_fd
         self._events = events
-        self.session = Session(endpoint, name, schema, max_unsent_of, events.put)
+        self.session = Session(
+            endpoint, name, schema, max_unsent_of, events.put,
+            shm=lane is not None, on_release=lane.release if lane is not None else None,
+        )  # fmt: skip
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._poller = zmq.Poller()
@@ -202,6 +214,10 @@ class Link:
             welcome = self.session.handle(frames, now)
             if welcome is not None:  # the first: now the batch size, hence the bound, is known
                 self._socket.setsockopt(zmq.SNDHWM, welcome.max_unsent + CONTROL_SLACK)
+            if self._lane is not None and self.session.welcomes != self._welcomes_seen:
+                self._welcomes_seen = self.session.welcomes
+                assert self.session.schema is not None
+                self._lane.on_welcome(self.session.shm_offer, self.session.schema)
 
     def _reap(self) -> None:
         if not self._in_zmq:
@@ -226,6 +242,11 @@ class Link:
         if not session.welcomed:
             return
         while session.credit > 0 and self._outbox:
+            if self._stale(self._outbox[0]):
+                out = self._outbox.popleft()
+                out.frames = []
+                self._events.put(Released(out.seq))
+                continue
             if not self._send_batch(self._outbox[0]):
                 return
             out = self._outbox.popleft()
@@ -242,6 +263,15 @@ class Link:
             self._end_sent = True
         if now - self._last_send >= PING_S:
             self._send_control("ping")
+
+    def _stale(self, out: Outgoing) -> bool:
+        """A descriptor of a pool retired since it was committed (a new welcome came)."""
+        if out.pool is None or self._lane is None or out.pool == self._lane.pool_id:
+            return False
+        self.session.notice(
+            "stale-pool", f"batch {out.seq} was in a pool the trainer no longer maps: not sent"
+        )
+        return True
 
     def _send_control(self, kind: str, **fields: object) -> bool:
         assert self._socket is not None
@@ -260,8 +290,9 @@ class Link:
         wait in practice; it never blocks, and polls if it ever must.
         """
         assert self._socket is not None
+        more = zmq.SNDMORE if len(out.frames) > 1 else 0  # a descriptor is one frame
         try:
-            self._socket.send(out.frames[0], zmq.SNDMORE | zmq.NOBLOCK)
+            self._socket.send(out.frames[0], more | zmq.NOBLOCK)
         except zmq.Again:
             return False
         threshold = self._socket.copy_threshold

@@ -10,6 +10,11 @@ batch only against credit (``welcome.credit``, then ``credit {n}``), one each. C
 again on ``disconnected()``, a ``bye``, or a ``refused`` / ``dropped`` of reason
 ``no_hello``, which also makes a hello due on the same connection.
 
+Shared memory: a session made with ``shm=True`` says so in every hello; each welcome's
+``shm_*`` fields (or their absence) land in ``shm_offer`` and ``welcomes`` counts welcomes, so
+the channel thread attaches a new pool per welcome (``producer.shm_lane``). A ``release``
+message goes to ``on_release``.
+
 The schema is fixed by the first welcome: the declared one, or the trainer's adopted. Every
 later hello declares it, so a trainer that comes back with another schema refuses us
 (``SchemaMismatch``) instead of dropping every batch.
@@ -32,6 +37,7 @@ from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.schema import Schema, SchemaMismatch, excerpt
 from stagefeed.producer.handoff import Dropped, Welcome, Welcomed
+from stagefeed.producer.shm_lane import ShmOffer
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +59,15 @@ class Session:
         schema: Schema | None,
         max_unsent_of: Callable[[Schema], int],
         post: Callable[[object], None],
+        *,
+        shm: bool = False,
+        on_release: Callable[[str, int, int], object] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.shm = shm
+        self.shm_offer: ShmOffer | None = None  # of the latest welcome
+        self.welcomes = 0  # welcomes accepted, on any connection
+        self._on_release = on_release
         self.name = name
         self.schema = schema  # declared, or adopted from the first welcome; then fixed
         self.welcome: Welcome | None = None  # the first one
@@ -94,7 +107,7 @@ class Session:
     def hello(self) -> dict[str, Any]:
         """Fields of the hello to send now."""
         declared = self.schema.to_dict() if self.schema is not None else None
-        return {"name": self.name, "schema": declared}
+        return {"name": self.name, "schema": declared, **({"shm": True} if self.shm else {})}
 
     def hello_sent(self, now: float) -> None:
         self.hello_due = False
@@ -126,6 +139,9 @@ class Session:
                 self.credit = min(self.credit + header["n"], MAX_CREDIT)
         elif kind == "dropped":
             self._on_dropped(header)
+        elif kind == "release":
+            if self._on_release is not None:
+                self._on_release(header["pool"], header["slot"], header["gen"])
         elif kind == "bye":
             self.credit = 0
             if not self._bye:
@@ -155,6 +171,12 @@ class Session:
             )
         self.welcomed = True
         self.credit = header["credit"]
+        self.welcomes += 1
+        self.shm_offer = (
+            ShmOffer(header["shm_socket"], header["shm_token"], header["shm_slots"])
+            if "shm_socket" in header
+            else None
+        )
         if self.welcome is not None:
             log.info("trainer at %s welcomed us again (credit %d)", self.endpoint, self.credit)
             return None

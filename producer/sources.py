@@ -18,8 +18,9 @@ until it has sent them, so the source must not write into a batch it has yielded
 (b) A *filling* source: an object with ``fill(out) -> bool`` that writes one batch into the
 preallocated, 64-byte-aligned arrays of ``out`` (one per schema array, in wire order) and
 returns False at the end of the data. It must write into those arrays, never replace them.
-The producer hands ``fill`` a buffer only once ZeroMQ has released it, so writing is always
-safe; it saves the copy a fresh array costs (and is what shared memory will use)::
+The producer hands ``fill`` a buffer only once ZeroMQ has released it (with shared memory:
+a slot of the pool, once the trainer has released it), so writing is always safe; it saves
+the copy a fresh array costs, and over shared memory it is the only write the batch takes::
 
     class Noise:
         def __init__(self, schema, worker):
@@ -120,6 +121,20 @@ class Feed:
     def next(self) -> tuple[dict[str, np.ndarray], Release | None] | None:
         raise NotImplementedError
 
+    def fill_into(self, out: dict[str, np.ndarray]) -> bool:
+        """Write the next batch into ``out`` (a shared-memory slot's arrays, one per schema
+        array); False at the end of the data. Here: take the next batch and copy it in (a
+        filling source writes into ``out`` itself, see ``FillingFeed``)."""
+        item = self.next()
+        if item is None:
+            return False
+        arrays, release = item
+        for name in self.schema.names:
+            np.copyto(out[name], arrays[name])
+        if release is not None:
+            release()
+        return True
+
     def _check(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
         check_arrays(self.schema, arrays, f"source {self.name!r} batch {self.count}")
         out = {name: np.ascontiguousarray(arrays[name]) for name in self.schema.names}
@@ -158,36 +173,57 @@ class IterableFeed(Feed):
 
 
 class FillingFeed(Feed):
-    """Form (b): ``fill(out)`` writes into a ``BufferPool`` slot that ZeroMQ has released."""
+    """Form (b): ``fill(out)`` writes into a ``BufferPool`` slot that ZeroMQ has released, or
+    straight into a shared-memory slot (``fill_into``). The buffer pool is allocated on the
+    first ``next()``: a producer that sends through shared memory never makes one."""
 
     def __init__(self, name: str, schema: Schema, source: FillingSource, pool_size: int) -> None:
         super().__init__(name, schema)
         self._source = source
-        self.pool = BufferPool(schema, pool_size)
+        self._pool_size = pool_size
+        self._pool: BufferPool | None = None
+
+    @property
+    def pool(self) -> BufferPool:
+        if self._pool is None:
+            self._pool = BufferPool(self.schema, self._pool_size)
+        return self._pool
 
     def next(self) -> tuple[dict[str, np.ndarray], Release] | None:
-        slot = self.pool.take()
-        buffers = self.pool.slots[slot]
+        pool = self.pool
+        slot = pool.take()
+        try:
+            more = self._fill(pool.slots[slot])
+        except BaseException:
+            pool.give_back(slot)
+            raise
+        if not more:
+            pool.give_back(slot)
+            return None
+        return pool.slots[slot], lambda: pool.give_back(slot)
+
+    def fill_into(self, out: dict[str, np.ndarray]) -> bool:
+        return self._fill(out)
+
+    def _fill(self, buffers: dict[str, np.ndarray]) -> bool:
+        """``fill`` into ``buffers``, then the checks; False at the end of the data."""
         out = dict(buffers)
         try:
             more = self._source.fill(out)
         except (ConfigError, BrokenError):
-            self.pool.give_back(slot)
             raise
         except Exception as exc:  # noqa: BLE001 - user code may raise anything; carried as one line
-            self.pool.give_back(slot)
             raise self._user_failed(exc) from exc
         if not more:
-            self.pool.give_back(slot)
-            return None
+            return False
         replaced = [name for name in buffers if out.get(name) is not buffers[name]]
         if replaced:
-            self.pool.give_back(slot)
             raise ConfigError(
                 f"source {self.name!r} batch {self.count}: fill() replaced {', '.join(replaced)} "
                 "instead of writing into the given arrays (out[name][...] = values)"
             )
-        return self._check(out), lambda: self.pool.give_back(slot)
+        self._check(out)
+        return True
 
 
 def open_feed(

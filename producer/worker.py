@@ -27,6 +27,7 @@ from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, Stage
 from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions
+from stagefeed.producer import shm_send
 from stagefeed.producer.channel import TrainerChannel
 from stagefeed.producer.sources import WorkerInfo, open_feed, resolve_source
 
@@ -157,6 +158,7 @@ def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
         options.schema,
         max_unsent=options.max_unsent,
         configure=configure,
+        transport=options.transport,
     )
     name = worker.producer_id
     seq = 0
@@ -181,6 +183,13 @@ def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
                 raise ClosedError("stop requested")
             if interval:
                 next_at = _pace(next_at, interval, stop)
+            if channel.lane is not None:
+                outcome = shm_send.send_in_slot(channel, feed, seq, stop)
+                if outcome == shm_send.END:
+                    break
+                if outcome != shm_send.NOT_SHARED:
+                    seq += outcome == shm_send.SENT
+                    continue
             item = feed.next()
             if item is None:
                 break

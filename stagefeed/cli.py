@@ -10,13 +10,14 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from stagefeed import __version__, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
-from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.options import TRANSPORTS, ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema, image_schema, load_schema
 
 log = logging.getLogger("stagefeed")
@@ -111,6 +112,23 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add_switch(
         g, "--return-freed-memory", help="let glibc unmap freed batches (slower: page faults)"
     )
+    envflags.add(g, "--shm-socket", default=None, help="where producers offer shared-memory pools")
+    envflags.add(
+        g, "--shm-producers", type=int, default=None,
+        help="same-host producers the shared-memory pools are sized for (train: 1, run: all)",
+    )  # fmt: skip
+
+
+def add_data_transport_flag(p: argparse.ArgumentParser) -> None:
+    envflags.add(
+        p, "--transport", default="zmq", choices=TRANSPORTS,
+        help="batches over ZeroMQ, in shared-memory slots (same host and user), or auto",
+    )  # fmt: skip
+
+
+def data_transport(args: argparse.Namespace) -> str:
+    """``zmq``/``shm``/``auto``; ``run``'s loopback ``tcp`` and ``ipc`` carry ZeroMQ batches."""
+    return {"tcp": "zmq", "ipc": "zmq"}.get(args.transport, args.transport)
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -129,6 +147,7 @@ def producer_options(args: argparse.Namespace, connect: str, workers: int) -> Pr
         max_batches=args.max_batches,
         seed=args.seed,
         curve_keys=args.curve_keys,
+        transport=data_transport(args),
     )
 
 
@@ -146,7 +165,17 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         max_message_mb=args.max_message_mb,
         curve_keys=args.curve_keys,
         keep_freed_memory=not args.return_freed_memory,
+        transport=data_transport(args),
+        shm_socket=args.shm_socket or _run_socket(args),
+        shm_producers=args.shm_producers or getattr(args, "producers", 1),
     )
+
+
+def _run_socket(args: argparse.Namespace) -> str | None:
+    """``run``'s own pool socket, in a private directory its trainer makes and removes."""
+    if args.command != "run" or data_transport(args) == "zmq":
+        return None
+    return os.path.join(tempfile.gettempdir(), f"stagefeed-shm-{os.getpid()}", "pools.sock")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     envflags.add(p, "--workers", type=int, default=1, help="producer processes")
     add_schema_flags(p, batch_size=256)
     add_producer_flags(p)
+    add_data_transport_flag(p)
     add_common_flags(p)
     p.set_defaults(func=_produce)
 
@@ -169,12 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     envflags.add(p, "--bind", default="tcp://*:5555", help="address to listen on")
     add_schema_flags(p, batch_size=256)
     add_trainer_flags(p, steps=100)
+    add_data_transport_flag(p)
     add_common_flags(p)
     p.set_defaults(func=_train)
 
     p = sub.add_parser("run", help="trainer + N producers on loopback: the main job")
     envflags.add(p, "--producers", type=int, default=2, help="producer processes")
-    envflags.add(p, "--transport", default="tcp", choices=("tcp", "ipc"), help="loopback transport")
+    envflags.add(
+        p, "--transport", default="tcp", choices=("tcp", "ipc", "shm", "auto"),
+        help="loopback transport; shm: batches in shared-memory slots (auto: the same here)",
+    )  # fmt: skip
     add_schema_flags(p, batch_size=128)
     add_trainer_flags(p, steps=30)
     add_producer_flags(p)

@@ -196,7 +196,7 @@ def run_local(
     """The main job: a trainer and ``--producers`` producer processes on loopback."""
     shutdown = shutdown or Shutdown().install()
     ipc_path = None
-    if args.transport == "ipc":
+    if args.transport in ("ipc", "shm", "auto"):  # shared memory: control over ipc
         ipc_path = os.path.join(tempfile.gettempdir(), f"stagefeed-{os.getpid()}.sock")
         bind = f"ipc://{ipc_path}"
     else:

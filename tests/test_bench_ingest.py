@@ -89,3 +89,21 @@ def test_bad_ingest_flags_name_the_value():
     done = run_cli(["bench", "ingest", "--transports", "udp"], timeout=60)
     assert done.returncode == 2
     assert "udp" in done.stderr
+
+
+@pytest.mark.slow
+def test_ingest_measures_shared_memory_next_to_raw_tcp_with_the_feed_cpu(tmp_path):
+    path = tmp_path / "ingest.json"
+    flags = "--dtypes uint8 --producers 2 --transports shm --batch-size 2 --gb 0.005"
+    done = run_cli(
+        ["bench", "ingest", *flags.split(), "--repeats", "1", "--json", str(path)], timeout=180
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (run,) = json.loads(path.read_text())["runs"]
+    assert run["transport"] == "shm" and run["raw_transport"] == "tcp"
+    (fed,) = run["stagefeed"]["samples"]
+    assert fed["shm"]["pools_accepted"] == 2 and fed["dropped"] == 0
+    assert fed["shm"]["batches"] == fed["received"] >= fed["warmup_batches"] + fed["batches"]
+    for peer in (run["stagefeed"], run["raw"]):
+        assert peer["core_ms_per_batch"] is not None and peer["core_ms_per_batch"] >= 0
+    assert "| uint8 | 0.31 | shm | 2 |" in done.stdout and "(tcp)" in done.stdout

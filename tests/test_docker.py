@@ -171,6 +171,31 @@ def test_every_variable_a_service_sets_is_a_flag_of_its_command():
     assert trainer_env["STAGEFEED_STEPS"] == "${STAGEFEED_STEPS:-0}"  # until stopped
 
 
+def test_the_shared_memory_socket_volume_is_one_volume_at_one_path():
+    """The pool socket the trainer names in its welcomes must be the same path inside every
+    producer container: one named volume, mounted at the same point by all, the socket in a
+    directory under it that the trainer makes private; both images make the mount point
+    theirs and 0700, so a fresh volume starts closed to other users."""
+    compose = cl.load_compose()
+    services = compose["services"]
+    assert "shm-sock" in compose["volumes"]
+    for name in ("trainer", "trainer-gpu", "producer"):
+        mounts = [v for v in services[name]["volumes"] if v.split(":")[0] == "shm-sock"]
+        assert mounts == ["shm-sock:/run/stagefeed"], name
+        assert services[name]["environment"]["STAGEFEED_TRANSPORT"] == (
+            "${STAGEFEED_TRANSPORT:-auto}"
+        ), name
+    socket = services["trainer"]["environment"]["STAGEFEED_SHM_SOCKET"]
+    assert socket == "/run/stagefeed/pools/pools.sock"
+    assert "STAGEFEED_SHM_SOCKET" not in services["producer"]["environment"]  # told in welcome
+    for dockerfile in DOCKERFILES:
+        runs = " ".join(a for ins, a in cl.dockerfile_instructions(dockerfile) if ins == "RUN")
+        assert "useradd --system --uid 10001 --gid stagefeed" in runs, dockerfile.name
+        assert re.search(r"install -d -o stagefeed -g stagefeed -m 0700 [^&]*/run/stagefeed", runs)
+        user = [a for ins, a in cl.dockerfile_instructions(dockerfile) if ins == "USER"][-1]
+        assert user == "10001:10001", dockerfile.name
+
+
 def test_every_variable_the_compose_file_reads_is_documented():
     used = cl.variables_used()
     assert used, "compose.yaml interpolates nothing?"
@@ -367,6 +392,12 @@ def test_services_train_a_few_steps_then_the_healthcheck_fails(start_cli, tmp_pa
     # random images after a few steps: only the first loss is asked to be finite here.
     assert summary["device"] == "/cpu:0" and summary["loss_first"] is not None
     assert summary["wire_dtype"] == "float32" and summary["recv_threads"] == 2
+    # Shared memory between the "containers", through the shm-sock volume (STAGEFEED_TRANSPORT
+    # defaults to auto): every batch came as a slot descriptor, both pools were mapped.
+    assert summary["transport"] == "shm+tcp"
+    assert summary["shm"]["pools_accepted"] == 2
+    assert summary["shm"]["batches"] == summary["batches"]["received"] > 0
+    assert summary["shm"]["socket"].startswith(str(trainer.volumes["/run/stagefeed"]))
     stop_producers(producer_procs)
 
 

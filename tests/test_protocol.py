@@ -206,6 +206,7 @@ def test_encode_refuses_what_decode_would_reject():
 def test_control_messages_round_trip(kind):
     fields = {
         "hello": {"name": "p-1", "schema": SCHEMA.to_dict()},
+        "shm_batch": {"seq": 3, "desc": {"pool": "p1-ab", "slot": 0, "gen": 1, "seq": 3}},
         "end": {"seq": 12},
         "ping": {},
     }[kind]
@@ -230,3 +231,81 @@ def test_trainer_messages_are_not_taken_from_a_producer():
         protocol.decode_header(raw, protocol.FROM_PRODUCER)
     assert info.value.reason is DropReason.KIND
     assert protocol.decode_header(raw, protocol.FROM_TRAINER)["n"] == 5
+
+
+SHM_WELCOME = {"shm_socket": "/run/stagefeed/pools.sock", "shm_token": "ab" * 16, "shm_slots": 6}
+WELCOME = {"schema": SCHEMA.to_dict(), "max_message": 2**20, "credit": 2}
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "kinds"),
+    [
+        ("hello", {"name": "p", "schema": None, "shm": True}, protocol.FROM_PRODUCER),
+        ("welcome", {**WELCOME, **SHM_WELCOME}, protocol.FROM_TRAINER),
+        ("welcome", WELCOME, protocol.FROM_TRAINER),
+        ("release", {"pool": "p1-ab", "slot": 4095, "gen": 2**64 - 1}, protocol.FROM_TRAINER),
+    ],
+    ids=["hello-shm", "welcome-shm", "welcome-plain", "release"],
+)
+def test_shared_memory_fields_round_trip(kind, fields, kinds):
+    raw = protocol.encode_control(kind, **fields)
+    assert protocol.decode_header(raw, kinds) == {"v": 2, "t": kind, **fields}
+
+
+def _control(kind, **fields):
+    return msgpack.packb({"v": 2, "t": kind, **fields})
+
+
+SHM_REJECTED = {
+    "welcome with part of the shm fields": _control(
+        "welcome", **WELCOME, shm_socket="/x", shm_token="t"
+    ),
+    "welcome shm_slots 0": _control("welcome", **WELCOME, **{**SHM_WELCOME, "shm_slots": 0}),
+    "welcome shm_socket not str": _control(
+        "welcome", **WELCOME, **{**SHM_WELCOME, "shm_socket": 1}
+    ),
+    "welcome with an unknown optional": _control("welcome", **WELCOME, shm=True),
+    "release slot out of range": _control("release", pool="p", slot=4096, gen=1),
+    "release generation 0": _control("release", pool="p", slot=0, gen=0),
+    "release slot bool": _control("release", pool="p", slot=True, gen=1),
+    "release without gen": _control("release", pool="p", slot=0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHM_REJECTED))
+def test_malformed_shared_memory_control_is_rejected(case):
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_header(SHM_REJECTED[case], protocol.FROM_TRAINER)
+    assert info.value.reason is DropReason.HEADER_FIELDS
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"name": "p", "schema": None, "shm": 1}, DropReason.HEADER_FIELDS),
+        ({"name": "p", "schema": None, "shm": "yes"}, DropReason.HEADER_FIELDS),
+        ({"name": "p", "schema": None, "shm_socket": "/x"}, DropReason.HEADER_FIELDS),
+    ],
+    ids=["shm int", "shm str", "welcome field in a hello"],
+)
+def test_a_hello_with_a_bad_shm_field_is_rejected(fields, reason):
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_header(_control("hello", **fields), protocol.FROM_PRODUCER)
+    assert info.value.reason is reason
+
+
+@pytest.mark.parametrize(
+    "desc", [[1, 2], "p:0:1", None], ids=["list", "string", "nil"]
+)
+def test_a_shm_batch_whose_descriptor_is_not_a_map_is_rejected(desc):
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_header(_control("shm_batch", seq=0, desc=desc), protocol.FROM_PRODUCER)
+    assert info.value.reason is DropReason.HEADER_FIELDS
+
+
+def test_encode_refuses_a_partial_optional_group_and_unknown_fields():
+    with pytest.raises(ValueError, match="missing"):
+        protocol.encode_control("welcome", **WELCOME, shm_socket="/x")
+    with pytest.raises(ValueError, match="unexpected"):
+        protocol.encode_control("release", pool="p", slot=0, gen=1, extra=1)
+    assert not protocol.FROM_PRODUCER & protocol.FROM_TRAINER

@@ -90,6 +90,7 @@ def test_stale_socket_of_a_killed_trainer_is_replaced(tmp_path):
     second.close()
     first.close()
     assert not os.path.lexists(first.path)
+    assert not os.path.exists(tmp_path / "sock")  # the killed one's directory goes too
 
 
 def test_hostile_messages_are_refused_and_every_fd_they_carry_is_closed(listener):

@@ -102,7 +102,7 @@ def test_layout_offsets_and_every_view_are_64_byte_aligned(pair):
         [("x", np.float32, (-1,))],
         [("bad name", np.float32, (2,))],
         [("x", np.float32, (2,)), ("x", np.int32, (2,))],
-        [("x", np.float32, (2,) * 9)],
+        [("x", np.float32, (2,) * 10)],  # the schema allows 8 per example, plus the batch
         [("x", "not-a-dtype", (2,))],
     ],
 )

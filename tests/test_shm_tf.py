@@ -112,5 +112,53 @@ def _child() -> None:
     print(json.dumps(result), flush=True)
 
 
+@pytest.mark.slow
+def test_tf2_queue_copies_a_slot_so_it_is_released_as_soon_as_enqueue_returns():
+    """TF 2 mode (``consumer.eager_queue``) converts eagerly, which copies: shared memory
+    saves the wire there, not the trainer's copy, and the slot comes back at once."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.test_shm_tf", "eager"],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["released_after_enqueue"] == [got["slot"]]
+    assert got["dequeued_sum"] == N * 5.0  # the producer's later write is not in the queue
+
+
+def _eager_child() -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from stagefeed.common.schema import ArraySpec, Schema
+    from stagefeed.consumer.eager_queue import EagerQueueFeed
+
+    schema = Schema((ArraySpec("x", "float32", SHAPE[1:]),), batch_size=SHAPE[0])
+    pool = SlotPool(SlotLayout.of(schema.wire()), 2)
+    released: list[list[int]] = []
+    mapped = MappedPool(os.dup(pool.fd), pool.announcement, lambda p, s, g: released.append([s, g]))
+    feed = EagerQueueFeed(schema, 2)
+    slot = pool.acquire(timeout=5)
+    writable = pool.arrays(slot)["x"]
+    writable.fill(5.0)
+    desc = pool.commit(slot, 0)
+    views = mapped.view(desc)
+    assert feed.enqueue(views, 0, 0)
+    del views
+    gc.collect()
+    after_enqueue = list(released)
+    writable.fill(-1.0)  # as a producer would, once released
+    element = feed.queue.dequeue()
+    print(json.dumps({
+        "slot": [desc["slot"], desc["gen"]],
+        "released_after_enqueue": after_enqueue,
+        "dequeued_sum": float(element[0].numpy().sum()),
+    }), flush=True)  # fmt: skip
+    feed.close()
+    mapped.close()
+    del writable
+    pool.close()
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["child"]:
     _child()
+elif __name__ == "__main__" and sys.argv[1:] == ["eager"]:
+    _eager_child()

@@ -1,0 +1,135 @@
+"""Shared-memory faults with real processes: a producer killed with -9 in the middle of writing
+a slot, and a trainer killed with -9 and restarted under running producers.
+
+The trainer is the canary trainer (``tests.shm_canary``): its model checks every trained
+batch's content, so "never trained a torn slot" is measured, not assumed. Producer ids carry
+the worker's pid, which is how a test finds the counters of the process it started.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from stagefeed.common.shm_layout import WRITING, SlotLayout, header_words
+
+from tests import procs, shm_procs
+from tests.conftest import cli_env, wait_for
+from tests.shm_canary import SCHEMA
+
+pytestmark = pytest.mark.slow  # TensorFlow in a subprocess
+
+LAYOUT = SlotLayout.of(SCHEMA.wire())
+SLOW_FILL = {"CANARY_CHUNKS": "16", "CANARY_FILL_DELAY_S": "0.01"}  # ~160 ms a batch
+
+
+def dev_shm() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-")}
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    spawner = procs.Spawner(tmp_path)
+    yield spawner
+    spawner.kill_all()
+
+
+def _states(memory: mmap.mmap) -> list[int]:
+    slots = len(memory) // LAYOUT.stride
+    return [int(s) for s in header_words(memory, slots, LAYOUT)[:, 2]]
+
+
+def test_producer_killed_mid_write_its_torn_slot_is_never_trained(spawn):
+    before = dev_shm()
+    trainer = shm_procs.CanaryTrainer(spawn)
+    survivor = shm_procs.produce(spawn, trainer.endpoint, "--rate", "40", name="survivor")
+    victim = shm_procs.produce(
+        spawn, trainer.endpoint, name="victim", env=cli_env(**SLOW_FILL)
+    )
+    (survivor_worker,) = procs.workers_of(survivor, 1)
+    (victim_worker,) = procs.workers_of(victim, 1)
+    trainer.trained_of(victim_worker.pid, 4)
+    trainer.trained_of(survivor_worker.pid, 4)
+    links = shm_procs.memfd_links(victim_worker.pid)  # the pool, and mmap's dup of its fd
+    assert len(set(links.values())) == 1, links
+    link = min(links)
+    (pool_name,) = shm_procs.memfds(victim_worker.pid)["maps"]
+    assert pool_name in shm_procs.memfds(trainer.pid)["maps"]  # the trainer maps it
+    fd = os.open(link, os.O_RDONLY)  # a witness: read the victim's slots after its death
+    try:
+        memory = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+        assert wait_for(lambda: WRITING in _states(memory), 30, interval=0.001)
+        victim_worker.send_signal(signal.SIGKILL)  # in the middle of a fill (160 ms each)
+        assert victim.wait(30) == 3 and "exit -9" in procs.log_text(victim)
+        time.sleep(0.2)
+        torn = [i for i, state in enumerate(_states(memory)) if state == WRITING]
+        assert torn, _states(memory)  # a slot half written when the producer died
+        pixels = np.frombuffer(memory, np.uint8, LAYOUT.arrays[0].nbytes,
+                               torn[0] * LAYOUT.stride + LAYOUT.offsets[0])  # fmt: skip
+        assert len(set(pixels[:: 4096].tolist())) == 2  # really torn: two batches' values
+        del pixels
+        memory.close()
+    finally:
+        os.close(fd)
+    # The others keep training; the victim's pool is unmapped once TF is done with it.
+    trainer.trained_of(survivor_worker.pid, trainer.trained_of(survivor_worker.pid, 0) + 10)
+    assert wait_for(lambda: pool_name not in shm_procs.memfds(trainer.pid)["maps"], 30)
+    assert dev_shm() <= before
+    summary = trainer.stop()
+    assert summary["loss_last"] == 0, "a corrupted batch was trained"  # the canary's count
+    assert summary["batches"]["dropped"] == 0  # the torn slot was never even described
+    books = summary["producers"]
+    (victim_books,) = [b for n, b in books.items() if f"-{victim_worker.pid}-" in n]
+    assert victim_books["trained"] >= 4 and victim_books["seq_missing"] == 0
+    assert not os.path.lexists(trainer.socket)
+    assert dev_shm() <= before
+
+
+def test_trainer_killed_and_restarted_producers_resume_over_shared_memory(spawn):
+    before = dev_shm()
+    model = ("--model", "tests.shm_canary:consistent_fn")  # batches in flight are lost
+    first = shm_procs.CanaryTrainer(spawn, *model, name="first")
+    producers = [
+        shm_procs.produce(spawn, first.endpoint, "--rate", "30", name=f"p{i}") for i in range(2)
+    ]
+    workers = [procs.workers_of(p, 1)[0] for p in producers]
+    for worker in workers:
+        first.trained_of(worker.pid, 3)
+        assert len(shm_procs.memfds(worker.pid)["fds"]) == 1
+    os.killpg(first.pid, signal.SIGKILL)
+    first.started.wait(30)
+    for producer in producers:
+        assert procs.wait_log(producer, "cannot reach the trainer", 30), procs.log_text(producer)
+    assert os.path.lexists(first.socket)  # the killed trainer's socket is still there
+
+    second = shm_procs.CanaryTrainer(
+        spawn, *model, port=first.port, socket=first.socket, name="second"
+    )
+    for worker in workers:
+        second.trained_of(worker.pid, 5)
+    assert all(w.is_running() for w in workers)  # never restarted
+    assert all(p.proc.poll() is None for p in producers)
+    # No segment left on either side: each producer holds and maps only its new pool, and
+    # the new trainer maps exactly those.
+    pools = set()
+    for worker in workers:
+        now = shm_procs.memfds(worker.pid)
+        assert len(now["fds"]) == 1 and now["maps"] == now["fds"], now
+        pools |= now["fds"]
+    assert wait_for(lambda: shm_procs.memfds(second.pid)["maps"] == pools, 30)
+    summary = second.stop()
+    assert summary["shm"]["pools_accepted"] == 2 and summary["shm"]["batches"] >= 10
+    assert summary["loss_last"] == 0
+    for producer in producers:
+        producer.signal(signal.SIGTERM)
+        assert producer.wait(30) == 0
+        log = procs.log_text(producer)
+        assert "reachable again" in log and "Traceback" not in log, log
+        assert log.count("offered to the trainer") == 2, log  # a new pool for the new trainer
+    assert not os.path.lexists(first.socket)
+    assert not os.path.exists(os.path.dirname(first.socket))
+    assert dev_shm() <= before
