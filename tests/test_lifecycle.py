@@ -9,15 +9,15 @@ import threading
 import time
 
 import pytest
-from stagefeed.common.errors import BrokenError
+from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import URGENT_S, Shutdown, on_stop_signals, stop_processes
 from stagefeed.common.options import ProducerOptions
-from stagefeed.common.spec import BatchSpec
+from stagefeed.common.schema import image_schema
 from stagefeed.producer.pool import ProducerPool
 
 from tests.conftest import free_tcp_port, wait_for
 
-SPEC = BatchSpec(batch_size=2, height=8, width=8, num_classes=10)
+SPEC = image_schema(batch_size=2, image_size=8, num_classes=10)
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def _pool(source: str = "synthetic") -> ProducerPool:
     options = ProducerOptions(
         connect=f"tcp://127.0.0.1:{free_tcp_port()}",  # nobody listens
         workers=2,
-        spec=SPEC,
+        schema=SPEC,
         source=source,
         inflight_mb=1,
     )
@@ -132,7 +132,7 @@ def test_workers_stopped_by_the_flag_are_no_failure():
 
 
 def test_a_worker_that_failed_is_reported_even_after_close():
-    pool = _pool("tests.user_source:wrong_shape")  # every batch is refused: the worker exits 2
+    pool = _pool("tests.no_such_module:batches")  # the source cannot load: the worker exits 2
     try:
         assert wait_for(lambda: pool.alive() == 0, 60)
     finally:
@@ -141,5 +141,5 @@ def test_a_worker_that_failed_is_reported_even_after_close():
         "stagefeed-producer-0 (exit 2)",
         "stagefeed-producer-1 (exit 2)",
     ]
-    with pytest.raises(BrokenError, match="stagefeed-producer-0 \\(exit 2\\)"):
+    with pytest.raises(ConfigError, match="no_such_module"):  # the worker's own line
         pool.wait(0)
