@@ -12,6 +12,8 @@ Invariants (the intake thread is the only caller; nothing here is thread-safe):
     to the connections holding least first, so a fast producer cannot starve the others.
   - a connection silent for ``timeout_s`` is forgotten and its outstanding credit returns;
     credit in hand returns when those batches finish, even after the connection is gone.
+  - credit is a lease: a connection that holds credit unused for ``timeout_s`` while another
+    starves is forgotten too (``revoke_hoarded``), so idle peers cannot hoard the pool.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Connection:
     index: int  # its entry in the ledger, and the ``peer`` component in the TF queue
     name: str
     last_seen: float
+    last_used: float = 0.0  # when it last used credit (or first got some)
     outstanding: int = 0
     in_hand: int = 0
     ended: bool = False
@@ -76,6 +79,7 @@ class Connections:
         """A batch arrived on ``conn``: False if it had no credit (flow control ignored)."""
         if conn.outstanding <= 0:
             return False
+        conn.last_used = time.monotonic()
         conn.outstanding -= 1
         conn.in_hand += 1
         return True
@@ -106,6 +110,8 @@ class Connections:
             for conn in wanting:
                 if self.available == 0:
                     break
+                if conn.outstanding + conn.in_hand == 0:
+                    conn.last_used = time.monotonic()  # its lease starts now
                 conn.outstanding += 1
                 self.available -= 1
                 granted[conn.routing_id] += 1
@@ -118,6 +124,25 @@ class Connections:
         for conn in gone:
             self.remove(conn)
         return gone
+
+    def revoke_hoarded(self) -> list[Connection]:
+        """Forget connections that held credit unused for ``timeout_s`` while another one
+        starves (holds none and wants some): pinging keeps a connection alive, not its credit.
+        Its credit returns to the pool; the producer is told to say hello again.
+        """
+        starving = any(
+            not c.ended and c.outstanding + c.in_hand == 0 for c in self._live.values()
+        )
+        if not starving or self.available > 0:
+            return []
+        now = time.monotonic()
+        hoarders = [
+            c for c in self._live.values()
+            if c.outstanding > 0 and now - c.last_used > self.timeout_s
+        ]  # fmt: skip
+        for conn in hoarders:
+            self.remove(conn)
+        return hoarders
 
     def remove(self, conn: Connection) -> None:
         del self._live[conn.routing_id]

@@ -212,7 +212,7 @@ class Intake:
                         self._receive_one(router)
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + EXPIRE_EVERY_S
-                    self._expire()
+                    self._expire(router)
                 self._send_grants(router)
                 self._send_releases(router)
                 self._update_data_ended()
@@ -384,7 +384,12 @@ class Intake:
         else:
             self._data_ended.clear()
 
-    def _expire(self) -> None:
+    def _expire(self, router: zmq.Socket) -> None:
+        for conn in self._conns.revoke_hoarded():
+            log.info("producer %s held credit unused for %.0f s while others waited: revoked",
+                     conn.name, self._conns.timeout_s)  # fmt: skip
+            self._reply(router, conn.routing_id, "refused", reason="no_hello",
+                        detail="credit unused while others waited: say hello again")  # fmt: skip
         for conn in self._conns.expire():
             if self.shm is not None:
                 self.shm.forget(conn.routing_id)

@@ -54,3 +54,17 @@ def test_an_ended_producer_gets_no_more_credit():
     conns.grants()
     conns.end(a)
     assert conns.available == 4 and conns.grants() == []
+
+
+def test_credit_unused_while_another_starves_is_revoked():
+    conns = Connections(pool=2, per_peer=2, max_live=8, timeout_s=0.05)
+    hoarder = conns.add(b"h", 0, "h")
+    conns.grants()
+    conns.add(b"g", 1, "g")
+    assert conns.grants() == []  # the hoarder holds the whole pool
+    assert conns.revoke_hoarded() == []  # not unused for long enough yet
+    time.sleep(0.1)
+    assert [c.name for c in conns.revoke_hoarded()] == ["h"]
+    assert conns.get(b"h") is None and hoarder.outstanding == 0
+    assert dict((c.name, n) for c, n in conns.grants()) == {"g": 2}
+    _invariant(conns)

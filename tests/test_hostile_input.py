@@ -888,14 +888,6 @@ def test_message_over_max_message_mb_real(target):
     check_peak(target, target.high_mib)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="consumer/connections.py: credit granted to a connection comes back only when it "
-    "sends batches, says end, or is silent for producer_timeout_s; two connections that say "
-    "hello first and then only ping hold the whole pool (recv_threads + 2 = 4 credits, 2 per "
-    "peer) for ever, and every later producer gets welcome credit 0 and never any credit",
-)
 def test_idle_connections_cannot_hoard_the_credit_pool():
     """In-process intake (the credit pool is the thing under test); hoarders come first."""
     from stagefeed.common.ledger import Ledger
