@@ -27,7 +27,6 @@ from typing import Any
 
 import tensorflow as tf
 from stagefeed.bench.config import IngestConfig
-from stagefeed.bench.liveness import pool_check
 from stagefeed.bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
 from stagefeed.bench.report import machine
 from stagefeed.common.errors import ClosedError
@@ -36,7 +35,7 @@ from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.trainer import StepRecord, Trainer
-from stagefeed.producer.pool import ProducerPool
+from stagefeed.producer.pool import ProducerPool, pool_check
 
 log = logging.getLogger(__name__)
 

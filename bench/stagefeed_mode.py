@@ -19,13 +19,12 @@ from typing import Any
 
 from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
-from stagefeed.bench.liveness import pool_check
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.consumer import model
 from stagefeed.consumer.trainer import StepRecord, Trainer
-from stagefeed.producer.pool import ProducerPool
+from stagefeed.producer.pool import ProducerPool, pool_check
 
 log = logging.getLogger(__name__)
 

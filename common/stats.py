@@ -1,16 +1,13 @@
-"""Small statistics helpers (no numpy needed by callers)."""
+"""Small statistics helpers."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, ``q`` in [0, 100]; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low, high = math.floor(pos), math.ceil(pos)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    """numpy's linear-interpolated percentile, ``q`` in [0, 100]; NaN for no values."""
+    return float(np.percentile(values, q)) if len(values) else math.nan

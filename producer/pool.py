@@ -8,6 +8,7 @@ import multiprocessing
 import signal
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
+from typing import Protocol
 
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import STOP_SIGNALS, stop_processes
@@ -112,3 +113,29 @@ class ProducerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Pool(Protocol):
+    """What the check needs of a ``ProducerPool``."""
+
+    def alive(self) -> int: ...
+
+    def wait(self, timeout_s: float | None = None) -> bool: ...
+
+
+def pool_check(pool: _Pool, ended: type[Exception] = BrokenError) -> Callable[[], None]:
+    """A ``health_check`` that raises once no process of ``pool`` is alive.
+
+    A producer that failed (non-zero exit) raises ``BrokenError`` naming it, from
+    ``pool.wait(0)``. If every producer ended cleanly, ``ended("all producers ended")``:
+    ``BrokenError`` where producers are meant to run until stopped (the benchmarks), or
+    ``ClosedError`` where they may finish first (``stagefeed run --max-batches``: the launcher).
+    While any producer is alive the check costs one ``is_alive()`` per process.
+    """
+
+    def check() -> None:
+        if not pool.alive():
+            pool.wait(0)  # raises BrokenError if any failed
+            raise ended("all producers ended")
+
+    return check

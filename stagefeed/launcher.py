@@ -23,7 +23,7 @@ from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
-from stagefeed.producer.pool import ProducerPool
+from stagefeed.producer.pool import ProducerPool, pool_check
 
 if TYPE_CHECKING:
     from stagefeed.consumer.monitor import Monitor, ObserveOptions
@@ -220,7 +220,7 @@ def run_local(
                 producer_options(args, trainer.endpoint, args.producers), logging.getLogger().level
             ).start()
             log.info("%d producers -> %s", args.producers, trainer.endpoint)
-            failure = _train(trainer, shutdown, health_check=_pool_check(pool))
+            failure = _train(trainer, shutdown, health_check=pool_check(pool, ClosedError))
     finally:
         try:
             _close(shutdown, monitor, trainer, pool)
@@ -235,10 +235,4 @@ def run_local(
     return code
 
 
-def _pool_check(pool: ProducerPool) -> Callable[[], None]:
-    def check() -> None:
-        if not pool.alive():
-            pool.wait(0)  # raises BrokenError if any failed
-            raise ClosedError("all producers ended")
 
-    return check

@@ -17,8 +17,8 @@ import psutil
 import pytest
 from stagefeed.bench.config import STEP_MODES, StepsConfig
 from stagefeed.bench.cpu import process_cpu_s, threads_cpu_s
-from stagefeed.bench.liveness import pool_check
 from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.producer.pool import pool_check
 
 from tests.conftest import run_cli, wait_for
 
