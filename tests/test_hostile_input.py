@@ -980,7 +980,8 @@ def test_summary_books_every_case(target):
     good = summary["producers"][target.good or "good"]
     assert good["dropped"] == {} and good["seq_missing"] == 0 and good["trained"] > 0
     assert good["seq_duplicates"] == 0 and good["trained_duplicates"] == 0
-    assert summary["connections"].get("disconnected", 0) == target.cut_peers
+    # The peers libzmq cut, and the good producer's own disconnection when it stopped.
+    assert summary["connections"].get("disconnected", 0) == target.cut_peers + 1
     # Connections of the hello flood delivered nothing: forgotten, not in the books.
     assert not [name for name in summary["producers"] if name.startswith("flood-")]
     # Every trained batch is one a connection's books received (no loss_finite here: the
