@@ -186,7 +186,7 @@ class Intake:
     def _guard(self, target: Callable[..., None], *args: Any) -> None:
         try:
             target(*args)
-        except Exception as exc:  # noqa: BLE001 - carried to the train loop via check()
+        except BaseException as exc:  # noqa: BLE001 - even SystemExit: carried via check()
             if not self._stop.is_set():
                 log.exception("%s failed", threading.current_thread().name)
                 self._failures.put(exc)
