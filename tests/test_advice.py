@@ -176,4 +176,4 @@ def test_a_narrow_link_makes_a_float32_run_wire_bound(tmp_path) -> None:
         *("--wire-mb-s", "1"),
     )
     assert summary["bottleneck"] == "wire-bound", summary["advice"]
-    assert summary["advice"].endswith("switch --dtype uint8 to move 4x fewer bytes")
+    assert summary["advice"].endswith("(--dtype uint8 for images) to move 4x fewer bytes")

@@ -117,19 +117,18 @@ def test_snapshot_reads_a_trainers_books() -> None:
     trainer = Trainer(options)  # not started: its ledger and counts are real, no session
     assert options.queue_capacity == 2
     ledger = trainer.ledger
+    a, b = ledger.open("prod-a"), ledger.open("prod-b")
     for seq in (0, 1, 3):
-        ledger.accept("prod-a", seq, SPEC.batch_bytes)
-    ledger.accept("prod-b", 0, SPEC.batch_bytes)
-    ledger.accept("prod-b", 0, SPEC.batch_bytes)  # duplicate
+        ledger.accept(a, seq, SPEC.batch_bytes)
+    ledger.accept(b, 0, SPEC.batch_bytes)
+    ledger.accept(b, 0, SPEC.batch_bytes)  # duplicate
     ledger.drop(DropReason.HEADER_NOT_MSGPACK, "junk")
-    ledger.trained([0], [0])
-    for _ in range(3):
-        trainer.availability.add()  # one more than the capacity: see take_snapshot
+    ledger.trained([a], [0])
     counters = StepCounters(options.queue_capacity)
     counters.add(record(1, 0.1, 0.2, queue=2))
     snap = take_snapshot(counters, trainer)
     assert snap.steps.steps == 1 and snap.steps.full_steps == 1
-    assert snap.queue_batches == 2
+    assert snap.queue_batches == 0  # not started: no intake, nothing queued
     assert snap.received == 4 and snap.received_bytes == 4 * SPEC.batch_bytes
     assert snap.seq_missing == 1  # prod-a: seq 2 never came
     assert snap.dropped == {"duplicate": 1, "header_not_msgpack": 1}

@@ -147,7 +147,17 @@ def field_value(draw, key: str):
         "n": INTS,
         "reason": st.text(max_size=20),
         "detail": st.text(max_size=400),
-    }[key]
+        # shared-memory fields (shm_batch, release, the optional hello/welcome keys)
+        "desc": st.one_of(st.dictionaries(st.sampled_from(["pool", "slot", "gen", "seq"]), INTS),
+                          values),
+        "pool": st.text(max_size=40),
+        "slot": INTS,
+        "gen": INTS,
+        "shm": st.booleans(),
+        "shm_socket": st.text(max_size=120),
+        "shm_token": st.text(max_size=80),
+        "shm_slots": INTS,
+    }.get(key, values)
     return draw(st.one_of(right, right, values))
 
 
