@@ -55,11 +55,14 @@ class CanaryTrainer:
         self.port = port or free_tcp_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.metrics_port = free_tcp_port()
+        while self.metrics_port == self.port:  # a restarted trainer reuses a freed port
+            self.metrics_port = free_tcp_port()
         self.socket = socket or str(spawn.folder / "sock" / "pools.sock")
         self.json_path = str(spawn.folder / f"{name}-{len(spawn.started)}.json")
         args = ["trainer", "--bind", self.endpoint, "--steps", "0", "--queue-mb", "1"]
         args += ["--shm-socket", self.socket, "--json", self.json_path, "--progress-s", "1"]
-        args += ["--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1"]
+        args += ["--metrics-port", str(self.metrics_port), "--metrics-bind", "127.0.0.1"]
+        args += ["--metrics-producer-labels"]  # the tests follow producers by id
         self.started = start_module(spawn, "tests.shm_canary", [*args, *extra], name)
         assert procs.wait_log(self.started, r"listening on tcp://", 90), self.log()
 

@@ -319,13 +319,27 @@ def _refused_as(user: pwd.struct_passwd, attempts: list) -> list[bool]:
         return [c == ord("1") for c in f.read()]
 
 
+def _live_pool_mapping(pid: int) -> str:
+    """A /proc map_files path of a pool the trainer maps now (pools retire on re-welcome, so
+    a mapping read a moment ago may be gone: read again until one opens)."""
+    for _ in range(50):
+        with open(f"/proc/{pid}/maps") as f:
+            ranges = [ln.split()[0] for ln in f if shm_procs.MEMFD in ln]
+        for mapped in reversed(ranges):
+            path = f"/proc/{pid}/map_files/{mapped}"
+            try:
+                os.close(os.open(path, os.O_RDONLY))
+            except FileNotFoundError:
+                continue
+            return path
+        time.sleep(0.1)
+    raise AssertionError(f"the trainer {pid} maps no pool")
+
+
 def test_another_user_can_neither_reach_nor_map_nor_write_a_pool(live):
     nobody = _nobody()
     producer_fd = min(shm_procs.memfd_links(live.worker.pid))
-    with open(f"/proc/{live.trainer.pid}/maps") as f:
-        ranges = [ln.split()[0] for ln in f if shm_procs.MEMFD in ln]
-    trainer_map = f"/proc/{live.trainer.pid}/map_files/{ranges[0]}"
-    os.close(os.open(trainer_map, os.O_RDONLY))  # positive control: the paths are real
+    trainer_map = _live_pool_mapping(live.trainer.pid)  # positive control: the paths are real
 
     def connect() -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
