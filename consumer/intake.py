@@ -390,6 +390,7 @@ class Intake:
                      conn.name, self._conns.timeout_s)  # fmt: skip
             self._reply(router, conn.routing_id, "refused", reason="no_hello",
                         detail="credit unused while others waited: say hello again")  # fmt: skip
+            self._ledger.forget_if_idle(conn.index)
         for conn in self._conns.expire():
             if self.shm is not None:
                 self.shm.forget(conn.routing_id)
