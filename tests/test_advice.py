@@ -172,7 +172,8 @@ def test_a_narrow_link_makes_a_float32_run_wire_bound(tmp_path) -> None:
     # The same starved run, on a link declared at 1 MiB/s: fewer bytes is the advice.
     summary = _run(
         tmp_path,
-        *("--producers", "1", "--rate", "1", "--steps", "3", "--warmup-steps", "1"),
+        # Half a batch a second: starved even when a loaded machine makes a step take 1-2 s.
+        *("--producers", "1", "--rate", "0.5", "--steps", "3", "--warmup-steps", "1"),
         *("--wire-mb-s", "1"),
     )
     assert summary["bottleneck"] == "wire-bound", summary["advice"]
