@@ -10,6 +10,7 @@ from typing import Any
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
+from stagefeed.consumer.dataset import cast_arrays
 
 try:  # not public in TF 2 (tensorflow/community#178); present from 1.x to 2.21 at least
     from tensorflow.python.ops.data_flow_ops import StagingArea
@@ -99,16 +100,9 @@ ModelFn = Callable[[dict[str, tf.Tensor], Schema], tuple[tf.Tensor, tf.Operation
 
 
 def cast_on_device(staged: dict[str, tf.Tensor], schema: Schema) -> dict[str, tf.Tensor]:
-    """Apply each array's declared ``cast`` and ``scale`` (call under the training device)."""
-    out = {}
-    for spec in schema.arrays:
-        tensor = staged[spec.name]
-        if spec.cast is not None:
-            tensor = tf.cast(tensor, spec.cast)
-        if spec.scale is not None:
-            tensor = tensor * tf.constant(spec.scale, tensor.dtype)
-        out[spec.name] = tensor
-    return out
+    """Apply each array's declared ``cast`` and ``scale`` (call under the training device);
+    the one implementation is the TF 2 pipeline's ``dataset.cast_arrays``."""
+    return cast_arrays(schema, staged)
 
 
 def build(
