@@ -122,7 +122,12 @@ class SlotPool:
         try:
             reserve(self._fd, self.size)
             fcntl.fcntl(self._fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
-            self._mm: mmap.mmap | None = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED)
+            # MAP_POPULATE: the page tables are filled now, once, not by a minor fault per
+            # 4 KiB page on each slot's first write (measured: a 40 MiB slot's first copy
+            # took 3x its later ones).
+            self._mm: mmap.mmap | None = mmap.mmap(
+                self._fd, self.size, mmap.MAP_SHARED | mmap.MAP_POPULATE
+            )
         except BaseException:
             os.close(self._fd)
             raise

@@ -122,8 +122,9 @@ class MappedPool:
     def __init__(self, fd: int, announce: PoolAnnounce, on_release: ReleaseHook) -> None:
         try:
             check_pool_fd(fd, announce.size)
+            # Populated up front, so the model's first read of each slot takes no page faults.
             self._mm: mmap.mmap | None = mmap.mmap(
-                fd, announce.size, mmap.MAP_SHARED, mmap.PROT_READ
+                fd, announce.size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ
             )
         finally:
             os.close(fd)

@@ -426,3 +426,25 @@ def test_shm_modules_import_neither_tensorflow_nor_zmq():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def _mapped_rss_kib(pool_id: str) -> list[int]:
+    """Rss (KiB) of each of this process's mappings of pool ``pool_id``'s memfd."""
+    rss, inside = [], False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and ":" not in first:  # a mapping's header line: range perms ...
+                inside = f"stagefeed-{pool_id}" in line
+            elif inside and first == "Rss:":
+                rss.append(int(line.split()[1]))
+    return rss
+
+
+def test_both_mappings_are_resident_from_the_start(pair):
+    """MAP_POPULATE on both sides: no slot's first write or read takes a page fault per page."""
+    layout = SlotLayout.of([("x", np.uint8, (4 << 20,))])
+    pool, mapped, _ = pair(layout, 3)
+    rss = _mapped_rss_kib(pool.pool_id)
+    assert len(rss) == 2, rss  # the producer's read-write and the trainer's read-only mapping
+    assert all(kib * 1024 >= pool.size for kib in rss), (rss, pool.size)
