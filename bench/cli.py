@@ -12,7 +12,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from stagefeed.bench.config import IMAGE_DTYPES, STEP_MODES, TRANSPORTS, IngestConfig, StepsConfig
+from stagefeed.bench.config import (
+    IMAGE_DTYPES,
+    SHM_FILLS,
+    STEP_MODES,
+    TRANSPORTS,
+    IngestConfig,
+    StepsConfig,
+)
 from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.schema import image_schema
 
@@ -70,6 +77,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--dtypes", type=_list_of(str), default=IMAGE_DTYPES, help="float32,uint8")
     p.add_argument("--producers", type=_list_of(int), default=(1, 2, 4), help="e.g. 1,2,4")
     p.add_argument("--transports", type=_list_of(str), default=TRANSPORTS, help="tcp,ipc,shm")
+    p.add_argument(
+        "--shm-fills",
+        type=_list_of(str),
+        default=SHM_FILLS,
+        help="shm rows: producer copies into the slot, fills it in place [copy,inplace]",
+    )
     p.add_argument("--batch-size", type=int, default=256, help="images per batch [256]")
     p.add_argument("--gb", type=float, default=3.0, help="GB moved per timed measurement [3]")
     p.add_argument("--repeats", type=int, default=3, help="measurements per peer; median [3]")
@@ -114,6 +127,7 @@ def _ingest(args: argparse.Namespace) -> int:
         dtypes=tuple(args.dtypes),
         producers=tuple(args.producers),
         transports=tuple(args.transports),
+        shm_fills=tuple(args.shm_fills),
         batch_size=args.batch_size,
         image_size=args.image_size,
         gb=args.gb,

@@ -21,6 +21,10 @@ STEP_MODES = (
 # Loopback transports of the feed path; ``shm``: batches in shared-memory slots (control over
 # ipc), measured next to raw pyzmq over tcp.
 TRANSPORTS = ("tcp", "ipc", "shm")
+# How a shm producer writes a batch: copies the synthetic batch into the slot, or fills the
+# slot in place (bench.sources.labels_in_place).
+COPY, IN_PLACE = "copy", "inplace"
+SHM_FILLS = (COPY, IN_PLACE)
 # Image dtypes the benchmarks make batches of (``common.schema.image_schema`` takes the same).
 IMAGE_DTYPES = ("float32", "uint8")
 DEVICES = ("auto", "cpu", "gpu")
@@ -138,6 +142,9 @@ class IngestConfig:
     dtypes: tuple[str, ...] = IMAGE_DTYPES
     producers: tuple[int, ...] = (1, 2, 4)
     transports: tuple[str, ...] = TRANSPORTS
+    # shm rows: the producer copies the batch into its slot, and/or fills the slot in place
+    # (``bench.sources.labels_in_place``: the transport's own cost)
+    shm_fills: tuple[str, ...] = SHM_FILLS
     batch_size: int = 256
     image_size: int = 227
     gb: float = 3.0
@@ -148,6 +155,7 @@ class IngestConfig:
     def __post_init__(self) -> None:
         _subset("dtypes", self.dtypes, IMAGE_DTYPES)
         _subset("transports", self.transports, TRANSPORTS)
+        _subset("shm_fills", self.shm_fills, SHM_FILLS)
         if not self.producers or any(
             not isinstance(p, int) or not 1 <= p <= 16 for p in self.producers
         ):
@@ -163,6 +171,14 @@ class IngestConfig:
     def schema(self, dtype: str) -> Schema:
         """The batches of one measurement: the seed's image schema with ``dtype`` images."""
         return image_schema(batch_size=self.batch_size, image_size=self.image_size, dtype=dtype)
+
+    def variants(self) -> list[tuple[str, str]]:
+        """``(transport, fill)`` pairs measured: each shm fill, ``copy`` for the others."""
+        return [
+            (transport, fill)
+            for transport in self.transports
+            for fill in (self.shm_fills if transport == "shm" else (COPY,))
+        ]
 
     def batches_for(self, dtype: str) -> int:
         """Timed batches for ``gb`` bytes of ``dtype`` batches (at least 3)."""

@@ -26,9 +26,10 @@ import time
 from typing import Any
 
 import tensorflow as tf
-from stagefeed.bench.config import IngestConfig
+from stagefeed.bench.config import IN_PLACE, IngestConfig
 from stagefeed.bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
 from stagefeed.bench.report import machine
+from stagefeed.bench.sources import LABELS_IN_PLACE
 from stagefeed.common.errors import ClosedError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import on_stop_signals
@@ -129,13 +130,15 @@ def measure_stagefeed(
     device: str,
     stop: threading.Event,
     log_level: int = logging.WARNING,
+    fill: str = "copy",
 ) -> dict[str, Any]:
     """GB/s over ``count`` consumed batches, timed once the start-up buffers were drained.
 
     Warm-up drains what the queue, staging area and the intake's credit pool can hold, so the
     timed steps wait on delivery alone. Enqueue threads (``recv_threads``) = producers.
     Trainer and producers both use ``delivery_schema(schema)``: ``schema``'s messages, and no
-    cast before the trivial model.
+    cast before the trivial model. ``fill`` (shm only): ``copy`` the synthetic batch into each
+    slot, or ``inplace`` (``bench.sources.labels_in_place``).
     """
     schema = delivery_schema(schema)
     capacity = max(2, producers)
@@ -172,6 +175,7 @@ def measure_stagefeed(
                 schema=schema,
                 inflight_mb=2 * schema.batch_bytes / 2**20,
                 transport="shm" if shared else "zmq",
+                source=LABELS_IN_PLACE if fill == IN_PLACE else "synthetic",
             ),
             log_level,
         ).start()
@@ -214,6 +218,7 @@ def _compare(
     config: IngestConfig,
     schema: Schema,
     transport: str,
+    fill: str,
     producers: int,
     raw_first: bool,
     stop: threading.Event,
@@ -233,7 +238,7 @@ def _compare(
             else:
                 samples["stagefeed"].append(
                     measure_stagefeed(
-                        schema, producers, transport, count, config.device, stop, log_level
+                        schema, producers, transport, count, config.device, stop, log_level, fill
                     )
                 )
     result: dict[str, Any] = {}
@@ -259,8 +264,8 @@ def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str,
     memcpy: dict[str, Any] = {}
     started = time.monotonic()
     try:
-        combos = itertools.product(config.dtypes, config.transports, config.producers)
-        for index, (dtype, transport, producers) in enumerate(combos):
+        combos = itertools.product(config.dtypes, config.variants(), config.producers)
+        for index, (dtype, (transport, fill), producers) in enumerate(combos):
             if stop.is_set():
                 raise ClosedError("stop requested")
             schema = config.schema(dtype)
@@ -270,16 +275,20 @@ def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str,
                 "dtype": dtype,
                 "batch_mb": round(schema.batch_bytes / 1e6, 2),
                 "transport": transport,
+                "fill": fill,
                 "producers": producers,
                 "recv_threads": producers,
                 "batches_per_measurement": config.batches_for(dtype),
             }
             raw_first = index % 2 == 0
-            run.update(_compare(config, schema, transport, producers, raw_first, stop, log_level))
+            run.update(
+                _compare(config, schema, transport, fill, producers, raw_first, stop, log_level)
+            )
             log.info(
-                "%s %s x%d: raw %.3f GB/s, stagefeed %.3f GB/s (%.2fx)",
+                "%s %s (%s) x%d: raw %.3f GB/s, stagefeed %.3f GB/s (%.2fx)",
                 dtype,
                 transport,
+                fill,
                 producers,
                 run["raw"]["gb_per_s"],
                 run["stagefeed"]["gb_per_s"],
@@ -296,6 +305,7 @@ def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str,
             "dtypes": list(config.dtypes),
             "producers": list(config.producers),
             "transports": list(config.transports),
+            "shm_fills": list(config.shm_fills),
             "batch_size": config.batch_size,
             "image_size": config.image_size,
             "gb_per_measurement": config.gb,

@@ -85,6 +85,10 @@ def steps_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _transport(row: dict[str, Any]) -> str:
+    return "shm in place" if row.get("fill") == "inplace" else row["transport"]
+
+
 def ingest_table(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [
@@ -103,7 +107,7 @@ def ingest_table(report: dict[str, Any]) -> str:
         of_memcpy = round(fed / memcpy, 3) if fed and memcpy else None
         raw_over = row.get("raw_transport", row["transport"])
         lines.append(
-            f"| {row['dtype']} | {row['batch_mb']} | {row['transport']} | {row['producers']} "
+            f"| {row['dtype']} | {row['batch_mb']} | {_transport(row)} | {row['producers']} "
             f"| {_cell(row['raw']['gb_per_s'])} ({raw_over}) | {_cell(fed)} "
             f"| {_cell(row['ratio'])} | {_cell(memcpy)} | {_cell(of_memcpy)} "
             f"| {_cell(row['stagefeed'].get('core_ms_per_batch'))}, "
@@ -118,6 +122,8 @@ def ingest_table(report: dict[str, Any]) -> str:
         "note: shm = the same, but each batch is copied by its producer into a slot of a "
         "shared-memory pool and only a descriptor crosses ZeroMQ (ipc); TF aliases the slot. "
         "Its raw pyzmq peer is tcp.",
+        "note: shm in place = the same, but the producer's source fills the slot itself and "
+        "writes only the labels (bench.sources.labels_in_place): the transport's own cost.",
         "note: feed core-ms/batch = CPU of the producers, the trainer's intake, enqueue and "
         "pool threads and ZeroMQ I/O threads (raw: senders + receiver) per timed batch.",
     ]

@@ -10,7 +10,10 @@ import math
 
 import pytest
 from stagefeed.bench.rawzmq import measure_memcpy, measure_raw
-from stagefeed.common.schema import image_schema
+from stagefeed.bench.sources import labels_in_place
+from stagefeed.common.schema import check_arrays, image_schema
+from stagefeed.producer.buffers import allocate_batch
+from stagefeed.producer.sources import WorkerInfo
 
 from tests.conftest import run_cli
 
@@ -85,25 +88,42 @@ def test_trivial_model_gets_the_batch_uncast_and_the_wire_is_unchanged():
     assert casts and all(op.outputs[0].shape.as_list() != whole for op in casts)
 
 
-def test_bad_ingest_flags_name_the_value():
-    done = run_cli(["bench", "ingest", "--transports", "udp"], timeout=60)
+@pytest.mark.parametrize(("flag", "value"), [("--transports", "udp"), ("--shm-fills", "mmap")])
+def test_bad_ingest_flags_name_the_value(flag, value):
+    done = run_cli(["bench", "ingest", flag, value], timeout=60)
     assert done.returncode == 2
-    assert "udp" in done.stderr
+    assert value in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.slow
-def test_ingest_measures_shared_memory_next_to_raw_tcp_with_the_feed_cpu(tmp_path):
+def test_ingest_measures_shared_memory_copied_and_in_place_next_to_raw_tcp(tmp_path):
     path = tmp_path / "ingest.json"
     flags = "--dtypes uint8 --producers 2 --transports shm --batch-size 2 --gb 0.005"
     done = run_cli(
         ["bench", "ingest", *flags.split(), "--repeats", "1", "--json", str(path)], timeout=180
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    (run,) = json.loads(path.read_text())["runs"]
-    assert run["transport"] == "shm" and run["raw_transport"] == "tcp"
-    (fed,) = run["stagefeed"]["samples"]
-    assert fed["shm"]["pools_accepted"] == 2 and fed["dropped"] == 0
-    assert fed["shm"]["batches"] == fed["received"] >= fed["warmup_batches"] + fed["batches"]
-    for peer in (run["stagefeed"], run["raw"]):
-        assert peer["core_ms_per_batch"] is not None and peer["core_ms_per_batch"] >= 0
+    runs = json.loads(path.read_text())["runs"]
+    assert [run["fill"] for run in runs] == ["copy", "inplace"]
+    for run in runs:
+        assert run["transport"] == "shm" and run["raw_transport"] == "tcp"
+        (fed,) = run["stagefeed"]["samples"]
+        assert fed["shm"]["pools_accepted"] == 2 and fed["dropped"] == 0
+        assert fed["shm"]["batches"] == fed["received"] >= fed["warmup_batches"] + fed["batches"]
+        for peer in (run["stagefeed"], run["raw"]):
+            assert peer["core_ms_per_batch"] is not None and peer["core_ms_per_batch"] >= 0
     assert "| uint8 | 0.31 | shm | 2 |" in done.stdout and "(tcp)" in done.stdout
+    assert "| uint8 | 0.31 | shm in place | 2 |" in done.stdout
+
+
+def test_labels_in_place_writes_labels_within_bounds_and_nothing_else():
+    schema = image_schema(batch_size=4, image_size=3, dtype="uint8", num_classes=3)
+    source = labels_in_place(schema, WorkerInfo(index=1, count=2, producer_id="p", seed=0))
+    out = allocate_batch(schema)
+    out["images"][...] = 9
+    seen = set()
+    for _ in range(3):
+        assert source.fill(out) is True
+        check_arrays(schema, out, "labels_in_place")
+        seen.update(out["labels"].tolist())
+    assert seen == {0, 1, 2} and (out["images"] == 9).all()
