@@ -33,6 +33,7 @@ from typing import Any
 
 import msgpack
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
+from stagefeed.common.ipc_file import unlink_if_ours
 from stagefeed.common.shm_layout import PoolAnnounce
 from stagefeed.common.shm_pool import SlotPool
 from stagefeed.common.shm_view import MappedPool, ReleaseHook
@@ -253,11 +254,7 @@ class FdListener:
         self._sock.close()
         if self._inode is None:
             return
-        try:
-            if os.stat(self.path).st_ino == self._inode:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_if_ours(self.path, self._inode)
         self._inode = None
         if self._made_dir:
             try:

@@ -38,9 +38,15 @@ class IpcFile:
         """Idempotent."""
         if self.path is None:
             return
-        try:
-            if os.stat(self.path).st_ino == self._inode:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_if_ours(self.path, self._inode)
         self.path = None
+
+
+def unlink_if_ours(path: str, inode: int | None) -> None:
+    """Unlink ``path`` if it is still the file we made (same inode): a successor that bound
+    the same path since keeps its socket file. Missing already: nothing to do."""
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
