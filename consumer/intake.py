@@ -12,8 +12,8 @@ connection once TensorFlow has dropped the last tensor using the slot (the gate'
 fd is in this thread's poll). Credit paces both kinds alike.
 
 The intake thread is the only user of the ROUTER socket. It reads each message frame by frame
-(``RCVMORE``), keeping at most ``1 + MAX_ARRAYS`` frames and ``max_message_bytes``; anything
-beyond is drained, not kept, and dropped. It never blocks on anything but ``poll``: batches
+(``consumer.frames``), keeping at most ``1 + MAX_ARRAYS`` frames and ``max_message_bytes``;
+anything beyond is drained, not kept, and dropped. It never blocks on anything but ``poll``: batches
 go to the hand-off, whose capacity is the credit pool, so a put cannot block (every batch in
 it holds a credit). Control messages are answered at once, also while the queue is full.
 
@@ -43,6 +43,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, Schema, schema_difference
 from stagefeed.consumer.availability import Availability
 from stagefeed.consumer.connections import Connections
+from stagefeed.consumer.frames import receive_message
 from stagefeed.consumer.peers import PeerMonitor
 from stagefeed.consumer.shm_gate import ShmGate
 
@@ -223,28 +224,13 @@ class Intake:
             credits.close(linger=0)
 
     def _receive_one(self, router: zmq.Socket) -> None:
-        first = router.recv(copy=False)
-        routing_id = first.bytes
-        frames: list[zmq.Frame] = []
-        count, total, more = 0, 0, first.more
-        while more:
-            frame = router.recv(copy=False)
-            more = frame.more
-            count += 1
-            total += len(frame)
-            if count <= 1 + MAX_ARRAYS and total <= self.options.max_message_bytes:
-                frames.append(frame)  # beyond the limits: drained, never kept
-        user_id = self._user_id(frames[0]) if frames else None
+        max_frames = 1 + MAX_ARRAYS
+        message = receive_message(router, max_frames, self.options.max_message_bytes)
+        routing_id = message.routing_id
+        user_id = self._user_id(message.frames[0]) if message.frames else None
         try:
-            if count > 1 + MAX_ARRAYS:
-                raise ProtocolError(DropReason.PARTS, f"{count} frames > {1 + MAX_ARRAYS}")
-            if total > self.options.max_message_bytes:
-                raise ProtocolError(
-                    DropReason.MESSAGE_SIZE, f"{total} B > {self.options.max_message_bytes} B"
-                )
-            if not frames:
-                raise ProtocolError(DropReason.PARTS, "no header frame")
-            self._handle(router, routing_id, frames, user_id)
+            message.check(max_frames, self.options.max_message_bytes)
+            self._handle(router, routing_id, message.frames, user_id)
         except ProtocolError as exc:
             conn = self._conns.get(routing_id)
             self._ledger.drop(exc.reason, exc.detail, conn.index if conn else None)
