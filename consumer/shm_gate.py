@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -55,6 +56,7 @@ THREAD_NAME = "stagefeed-shm-pools"
 POLL_MS = 100
 HANDSHAKE_S = 10.0  # a channel must present its token and offer within this
 MAX_POOLS = 64
+MAX_RETIRED = 4 * MAX_POOLS
 MAX_CHANNELS = 2 * MAX_POOLS
 JOIN_TIMEOUT_S = 3.0
 
@@ -91,6 +93,9 @@ class ShmGate:
         self._token_of: dict[bytes, str] = {}
         self._owner: dict[str, bytes] = {}  # live pool id -> routing id
         self._pool_of: dict[bytes, str] = {}
+        # Pools their producers closed, newest last (bounded): a descriptor still in ZeroMQ when
+        # its producer stopped arrives after the pool is gone, and its verdict says so.
+        self._retired: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._released: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._wake_lock = threading.RLock()  # a finalizer may run while this thread holds it
         self._wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -167,6 +172,13 @@ class ShmGate:
             )
         with self._lock:
             owner = self._owner.get(pool_id)
+            retired_by = self._retired.get(pool_id)
+        if owner is None and retired_by == routing_id:
+            raise ProtocolError(
+                DropReason.SHM_POOL,
+                f"pool {pool_id!r} was closed by its producer before this batch arrived "
+                "(in flight when the producer stopped)",
+            )
         if owner is None:
             raise ProtocolError(DropReason.SHM_POOL, f"unknown pool {pool_id!r}")
         if owner != routing_id:
@@ -345,6 +357,9 @@ class ShmGate:
             if self._owner.get(peer.pool_id) == peer.routing_id:
                 del self._owner[peer.pool_id]
                 del self._pool_of[peer.routing_id]
+                self._retired[peer.pool_id] = peer.routing_id
+                while len(self._retired) > MAX_RETIRED:
+                    self._retired.popitem(last=False)
         self._table.remove(peer.pool_id)
         log.info("pool %s: its producer closed the channel; unmapped once TF is done", peer.pool_id)
 

@@ -74,6 +74,7 @@ class Peer:
         self.sock.connect(live.trainer.endpoint)
         self.sock.send(protocol.encode_control("hello", name=name, schema=None, shm=True))
         self.credit, self.verdicts, self.released = 0, {}, []
+        self.details: dict[int, str] = {}
         self.welcome = self._until(lambda m: m["t"] == "welcome")
         self.credit += self.welcome["credit"]
         self.pool: SlotPool | None = None
@@ -91,6 +92,7 @@ class Peer:
                 self.credit += message["n"]
             elif message["t"] == "dropped":
                 self.verdicts[message["seq"]] = message["reason"]
+                self.details[message["seq"]] = message.get("detail", "")
             elif message["t"] == "release":
                 self.released.append((message["slot"], message["gen"]))
             if match(message):
@@ -202,6 +204,28 @@ def test_hostile_descriptors_are_refused_by_reason_and_training_continues(live):
     finally:
         a.close()
         b.close()
+
+
+def test_a_batch_arriving_after_its_producer_closed_the_pool_is_refused_saying_so(live):
+    """The stop race: a descriptor still in ZeroMQ when its producer closed the pool channel."""
+    before = live.dropped()
+    peer = Peer(live, "closes-first")
+    try:
+        pool = peer.offer()
+        desc = peer.commit(0)
+        name = shm_procs.MEMFD + pool.pool_id
+        assert name in shm_procs.memfds(live.trainer.pid)["maps"]
+        peer._channel.close()  # the trainer sees EOF: the pool is retired
+        wait_for(lambda: name not in shm_procs.memfds(live.trainer.pid)["maps"], 30)
+        peer.send(desc, 0)
+        assert peer.verdict(0) == "shm_pool"
+        assert "closed by its producer before this batch arrived" in peer.details[0]
+        assert counted(live, before, {"shm_pool": 1}) == {"shm_pool": 1}
+        live.trains_on()
+    finally:
+        peer.pool = None  # its channel is closed already
+        pool.close()
+        peer.close()
 
 
 def _memfd(size: int, seals: int) -> int:
