@@ -196,8 +196,8 @@ def measure_stagefeed(
         # The consumer is far faster than delivery, so this is near 100%: it says the step
         # waited on delivery, i.e. the figure is the feed path's, not the consumer's.
         "consumer_wait_pct": round(100 * sum(r.wait_s for r in clock.timed) / elapsed, 2),
-        "received": totals["received"],
-        "dropped": totals["dropped"],
+        "received": totals.received,
+        "dropped": totals.dropped,
         "device": trainer.device,
         "core_ms_per_batch": _per_batch_ms(clock.cpu_s, count),
         "shm": trainer.shm_stats(),

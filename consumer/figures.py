@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from stagefeed.common.ledger import UNIDENTIFIED
+from stagefeed.common.ledger import ProducerTotals
 
 if TYPE_CHECKING:
     from stagefeed.consumer.trainer import StepRecord, Trainer
@@ -61,13 +61,6 @@ class StepCounters:
 
 
 @dataclasses.dataclass(frozen=True)
-class ProducerTotals:
-    received: int
-    trained: int
-    seq_missing: int
-
-
-@dataclasses.dataclass(frozen=True)
 class Snapshot:
     """Every cumulative figure at one moment (``at``: ``time.monotonic()``)."""
 
@@ -82,25 +75,19 @@ class Snapshot:
 
 
 def take_snapshot(counters: StepCounters, trainer: Trainer) -> Snapshot:
-    """Read the counters and the trainer's ledger (three short ledger locks)."""
-    ledger = trainer.ledger
-    totals = ledger.totals()
-    producers = {
-        name: ProducerTotals(p["received"], p["trained"], p.get("seq_missing", 0))
-        for name, p in ledger.summary().items()
-        if name != UNIDENTIFIED
-    }
+    """Read the counters and the trainer's ledger (one ledger lock)."""
+    books = trainer.ledger.read()
     return Snapshot(
         at=time.monotonic(),
         steps=counters.read(),
         # The count can pass the capacity by one while a step runs: its dequeue let an enqueue
         # finish before the train loop counted the dequeue.
         queue_batches=min(trainer.queue_batches, counters.queue_capacity),
-        received=totals["received"],
-        received_bytes=totals["received_bytes"],
-        seq_missing=totals["seq_missing"],
-        dropped=ledger.drops_by_reason(),
-        producers=producers,
+        received=books.totals.received,
+        received_bytes=books.totals.received_bytes,
+        seq_missing=books.totals.seq_missing,
+        dropped=dict(books.dropped),
+        producers=dict(books.producers),
     )
 
 
