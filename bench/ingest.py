@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -30,7 +31,7 @@ from stagefeed.bench.config import IngestConfig
 from stagefeed.bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
 from stagefeed.bench.report import machine
 from stagefeed.common.errors import ClosedError
-from stagefeed.common.ledger import Ledger
+from stagefeed.common.ledger import Books
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema
@@ -84,11 +85,6 @@ def delivery_schema(schema: Schema) -> Schema:
     return dataclasses.replace(schema, arrays=arrays)
 
 
-def _delivering(ledger: Ledger) -> int:
-    """Connections that delivered at least one batch (a hello alone does not count)."""
-    return sum(1 for books in ledger.summary().values() if books.get("received"))
-
-
 class _Clock:
     """A ``StepObserver`` that picks the timed steps and ends training after ``count``.
 
@@ -104,10 +100,12 @@ class _Clock:
         self.start_at: float | None = None
         self.timed: list[StepRecord] = []
         self.pool: ProducerPool | None = None
+        self.books: Callable[[], Books] | None = None  # the trainer's ledger reads
         self.cpu_s: list[float | None] = []  # the feed path's, at the window's start and end
 
-    def on_step(self, record: StepRecord, trainer: Trainer) -> None:
-        if self.all_seen_at_step is None and _delivering(trainer.ledger) >= self.producers:
+    def on_step(self, record: StepRecord) -> None:
+        assert self.books is not None, "set the clock's books before training"
+        if self.all_seen_at_step is None and self.books().delivering >= self.producers:
             self.all_seen_at_step = record.step
         if self.all_seen_at_step is not None:
             if record.step == self.all_seen_at_step + self.warmup:
@@ -162,6 +160,7 @@ def measure_stagefeed(
     )
     clock = _Clock(producers, buffered + 2, count, stop)
     trainer = Trainer(options, [clock], model_fn=trivial_model_fn)
+    clock.books = trainer.reader.books
     pool: ProducerPool | None = None
     try:
         trainer.start()

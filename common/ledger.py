@@ -89,6 +89,11 @@ class Books:
     peer_events: Mapping[str, int] = dataclasses.field(default_factory=dict)
     refused: Mapping[str, int] = dataclasses.field(default_factory=dict)  # hellos, by reason
 
+    @property
+    def delivering(self) -> int:
+        """Connections that delivered a valid batch (a hello alone does not count)."""
+        return sum(p.received > 0 for p in self.producers.values())
+
 
 class Ledger:
     """Thread-safe accounting shared by the intake, the enqueue threads and the train loop.

@@ -6,7 +6,9 @@ an advice line or a capacity sample is due it takes one ``Snapshot`` and works o
 snapshots. The Prometheus endpoint and the TensorBoard writer run on their own named threads
 and read snapshots themselves.
 
-Lifecycle: ``Monitor(options)`` -> ``start(trainer)`` (binds the metrics port, opens the
+It sees the run only through the ``RunFacts`` and the ``RunReader`` given to ``start``.
+
+Lifecycle: ``Monitor(options)`` -> ``start(facts, reader)`` (binds the metrics port, opens the
 logdir; ``ConfigError`` if either fails) -> ``on_step`` ... -> ``close()`` (idempotent: ends the
 progress line, computes ``final``, writes and closes TensorBoard, stops the HTTP server).
 """
@@ -23,6 +25,8 @@ from stagefeed.common.errors import ConfigError
 from stagefeed.consumer.advice import DEFAULT_WIRE_MB_S, Advice, advise
 from stagefeed.consumer.figures import (
     Figures,
+    RunFacts,
+    RunReader,
     Snapshot,
     StepCounters,
     empty_snapshot,
@@ -32,7 +36,7 @@ from stagefeed.consumer.figures import (
 from stagefeed.consumer.progress import Progress
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.trainer import StepRecord, Trainer
+    from stagefeed.consumer.trainer import StepRecord
 
 log = logging.getLogger("stagefeed.monitor")
 
@@ -78,7 +82,8 @@ class Monitor:
         self.final: dict[str, Any] = {}  # {"advice", "bottleneck"} once closed
         self.metrics_address = ""  # host:port of the Prometheus endpoint once started
         self.capacity_per_s = math.nan  # best unthrottled batches/s of one producer
-        self._trainer: Trainer | None = None
+        self._facts: RunFacts | None = None
+        self._reader: RunReader | None = None
         self._counters = StepCounters(1)
         self._origin = self._shown = self._advised = self._sampled = empty_snapshot()
         # When each was last done, on the step records' clock (time.monotonic()).
@@ -88,9 +93,9 @@ class Monitor:
         self._tensorboard: Any = None
         self._closed = False
 
-    def start(self, trainer: Trainer) -> Monitor:
-        self._trainer = trainer
-        self._counters = StepCounters(trainer.options.queue_capacity)
+    def start(self, facts: RunFacts, reader: RunReader) -> Monitor:
+        self._facts, self._reader = facts, reader
+        self._counters = StepCounters(facts.queue_capacity)
         self._origin = self._shown = self._advised = self._sampled = empty_snapshot()
         self._shown_at = self._advised_at = self._sampled_at = self._origin.at
         opts = self.options
@@ -104,7 +109,7 @@ class Monitor:
                 ) from None
             self._metrics = MetricsServer(
                 self.snapshot,
-                trainer,
+                facts,
                 opts.metrics_bind,
                 opts.metrics_port,
                 producer_labels=opts.metrics_producer_labels,
@@ -119,22 +124,19 @@ class Monitor:
         return self
 
     def snapshot(self) -> Snapshot:
-        assert self._trainer is not None, "Monitor.start(trainer) first"
-        return take_snapshot(self._counters, self._trainer)
+        assert self._reader is not None, "Monitor.start(facts, reader) first"
+        return take_snapshot(self._counters, self._reader)
 
     def figures(self, a: Snapshot, b: Snapshot) -> Figures:
         """The window from ``a`` to ``b``, with the producer capacity seen so far."""
-        assert self._trainer is not None, "Monitor.start(trainer) first"
-        spec = self._trainer.options.schema
-        f = figures_between(
-            a, b, spec.batch_size, spec.batch_bytes, spec.wire_dtype, self._counters.queue_capacity
-        )
+        assert self._facts is not None, "Monitor.start(facts, reader) first"
+        f = figures_between(a, b, self._facts)
         return dataclasses.replace(f, producer_capacity_per_s=self.capacity_per_s)
 
     def advice(self, f: Figures) -> Advice:
         return advise(f, self.options.wire_mb_s)
 
-    def on_step(self, record: StepRecord, trainer: Trainer) -> None:
+    def on_step(self, record: StepRecord) -> None:
         self._counters.add(record)
         if self._tensorboard is not None:
             self._tensorboard.record(record)
@@ -154,7 +156,7 @@ class Monitor:
             self._sample_capacity(self._sampled, snap)
             self._sampled, self._sampled_at = snap, now
         if show:
-            self.progress.show(self.figures(self._shown, snap), self._steps_planned())
+            self.progress.show(self.figures(self._shown, snap), self._planned)
             self._shown, self._shown_at = snap, now
         if advise_now:
             self.progress.break_line()
@@ -174,12 +176,13 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
-        if self._trainer is not None and self._counters.read().steps > self._shown.steps.steps:
+        started = self._facts is not None
+        if started and self._counters.read().steps > self._shown.steps.steps:
             # The last steps since the last line: the line ends on the final step count.
-            self.progress.show(self.figures(self._shown, self.snapshot()), self._steps_planned())
+            self.progress.show(self.figures(self._shown, self.snapshot()), self._planned)
         self.progress.finish()
         text = None
-        if self._trainer is not None:
+        if started:
             advice = self.advice(self.final_figures())
             self.final = {"advice": advice.text, "bottleneck": advice.kind}
             text = advice.text
@@ -195,10 +198,9 @@ class Monitor:
         if rate is not None and not rate <= self.capacity_per_s:  # NaN: first sample
             self.capacity_per_s = rate
 
-    def _steps_planned(self) -> int:
-        assert self._trainer is not None
-        opts = self._trainer.options
-        return opts.steps + opts.warmup_steps if opts.steps else 0
+    @property
+    def _planned(self) -> int:
+        return self._facts.steps_planned if self._facts is not None else 0
 
 
 def unthrottled_producer_rate(f: Figures, queue_at_start: int) -> float | None:

@@ -17,6 +17,7 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import graph as feed_graph
 from stagefeed.consumer import malloc_policy, models
+from stagefeed.consumer.figures import RunFacts, RunReader
 from stagefeed.consumer.intake import Intake
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,10 @@ class StepRecord:
 
 
 class StepObserver(Protocol):
-    def on_step(self, record: StepRecord, trainer: Trainer) -> None: ...
+    """Told of each step on the train loop (keep it short). Observers that need more than the
+    record are given the trainer's ``facts`` and ``reader``, never the trainer."""
+
+    def on_step(self, record: StepRecord) -> None: ...
 
 
 class Trainer:
@@ -51,7 +55,8 @@ class Trainer:
     Lifecycle: ``start()`` (build, bind, start threads) -> ``train(stop)`` -> ``close()``
     (idempotent; closes the queue so blocked enqueues return, joins threads, closes session).
     ``session`` is the user's between ``start()`` and ``close()``: to restore or save
-    variables (``tf.compat.v1.train.Saver``), or to run their own loop.
+    variables (``tf.compat.v1.train.Saver``), or to run their own loop. ``device``, ``facts``
+    and ``reader`` exist from construction on (``ConfigError`` if the device is missing).
     """
 
     def __init__(
@@ -73,7 +78,16 @@ class Trainer:
         self.loss_finite = True
         self.data_ended = False  # every producer signalled end of data, all of it trained
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_RECORDS)
-        self.device = ""
+        self.device = feed_graph.pick_device(options.device)
+        self.facts = RunFacts(
+            device=self.device,
+            batch_size=self.schema.batch_size,
+            batch_bytes=self.schema.batch_bytes,
+            wire_dtype=self.schema.wire_dtype,
+            queue_capacity=options.queue_capacity,
+            steps_planned=options.steps + options.warmup_steps if options.steps else 0,
+        )
+        self.reader = RunReader(queue_batches=lambda: self.queue_batches, books=self.ledger.read)
         self.endpoint = ""
         self._configure_server = configure_server
         self.feed: feed_graph.FeedGraph | None = None
@@ -85,7 +99,6 @@ class Trainer:
         options = self.options
         if options.keep_freed_memory:
             malloc_policy.keep_freed_memory()
-        self.device = feed_graph.pick_device(options.device)
         model_fn, ref = self.model_fn, options.model
         if model_fn is None:
             kind, model_fn = models.resolve(ref)
@@ -178,7 +191,7 @@ class Trainer:
                 self.loss_finite = False
                 log.warning("step %d: loss is %s", step, record.loss)
             for observer in self.observers:
-                observer.on_step(record, self)
+                observer.on_step(record)
         return list(self.records)
 
     def _wait_for_batch(self, stop: threading.Event, checks: list[Callable[[], None]]) -> bool:

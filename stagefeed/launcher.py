@@ -94,7 +94,7 @@ def observe_options(args: argparse.Namespace) -> ObserveOptions:
 
 def _start(monitor: Monitor, trainer: Trainer, shutdown: Shutdown) -> bool:
     """Start the monitor, then the trainer, unless a stop came first; True if both started."""
-    for step in (lambda: monitor.start(trainer), trainer.start):
+    for step in (lambda: monitor.start(trainer.facts, trainer.reader), trainer.start):
         if shutdown.stop.is_set():
             log.info("stopped during start-up")
             return False

@@ -1,7 +1,7 @@
 """Monitor: options checks, when it shows and advises, the final window, producer capacity.
 
-Driven with real ``StepRecord``s on a real (unstarted) ``Trainer``: its ledger and queue counts
-are the real ones, only no TensorFlow session runs.
+Driven with real ``StepRecord``s and a real ``Ledger``, seen through the ``RunFacts`` and
+``RunReader`` a trainer hands its monitor: no trainer, no TensorFlow session.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import time
 
 import pytest
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import TrainerOptions
-from stagefeed.common.schema import image_schema
+from stagefeed.common.ledger import Ledger
+from stagefeed.consumer.figures import RunFacts, RunReader
 from stagefeed.consumer.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
-from stagefeed.consumer.trainer import StepRecord, Trainer
+from stagefeed.consumer.trainer import StepRecord
 
-from tests.figures_util import window
+from tests.figures_util import BATCH_BYTES, window
 
-SPEC = image_schema(batch_size=2)
+# --steps 3 --warmup-steps 2: five steps planned.
+FACTS = RunFacts("/cpu:0", 2, BATCH_BYTES, "float32", queue_capacity=20, steps_planned=5)
 
 
 @pytest.mark.parametrize(
@@ -43,29 +44,27 @@ def test_bad_options_name_the_value(field: str, value: object) -> None:
         ObserveOptions(**{field: value})
 
 
-def _trainer() -> Trainer:
-    return Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, steps=3, warmup_steps=2))
+def _started(options: ObserveOptions | None = None) -> tuple[Monitor, Ledger]:
+    ledger = Ledger()
+    monitor = Monitor(options or ObserveOptions(), stream=io.StringIO())
+    return monitor.start(FACTS, RunReader(lambda: 0, ledger.read)), ledger
 
 
-def _steps(monitor: Monitor, trainer: Trainer, specs: list[tuple[bool, float, float]]) -> None:
+def _steps(monitor: Monitor, ledger: Ledger, specs: list[tuple[bool, float, float]]) -> None:
     """Feed (timed, wait_s, step_s) steps, each ending ``wait_s + step_s`` after the last."""
     at = time.monotonic()
-    index = trainer.ledger.open("prod-a")
+    index = ledger.open("prod-a")
     for n, (timed, wait_s, step_s) in enumerate(specs, start=1):
-        trainer.ledger.accept(index, n, 100)
+        ledger.accept(index, n, 100)
         at += wait_s + step_s
-        record = StepRecord(n, timed, wait_s, step_s, 6.9, 0, at)
-        trainer.records.append(record)
-        monitor.on_step(record, trainer)
+        monitor.on_step(StepRecord(n, timed, wait_s, step_s, 6.9, 0, at))
 
 
 def test_progress_lines_and_advice_lines_when_due(caplog) -> None:
-    trainer = _trainer()
-    monitor = Monitor(ObserveOptions(progress_s=1.0, advice_s=2.0), stream=io.StringIO())
-    monitor.start(trainer)
+    monitor, ledger = _started(ObserveOptions(progress_s=1.0, advice_s=2.0))
     caplog.set_level(logging.INFO)
     # Steps 1.5 s apart (by their end times): a line each, advice every second step.
-    _steps(monitor, trainer, [(True, 1.0, 0.5)] * 4)
+    _steps(monitor, ledger, [(True, 1.0, 0.5)] * 4)
     progress = [r.message for r in caplog.records if r.name == "stagefeed.progress"]
     advice = [r.message for r in caplog.records if r.name == "stagefeed.monitor"]
     assert len(progress) == 4
@@ -77,10 +76,9 @@ def test_progress_lines_and_advice_lines_when_due(caplog) -> None:
 
 
 def test_final_window_starts_after_the_warm_up() -> None:
-    trainer = _trainer()
-    monitor = Monitor(ObserveOptions(), stream=io.StringIO()).start(trainer)
+    monitor, ledger = _started()
     # Two slow warm-up steps that waited long, then three timed steps that never waited.
-    _steps(monitor, trainer, [(False, 5.0, 3.0)] * 2 + [(True, 0.0, 0.1)] * 3)
+    _steps(monitor, ledger, [(False, 5.0, 3.0)] * 2 + [(True, 0.0, 0.1)] * 3)
     f = monitor.final_figures()
     assert f.steps == 3
     assert f.stall_pct == 0.0
@@ -92,9 +90,8 @@ def test_final_window_starts_after_the_warm_up() -> None:
 
 
 def test_final_window_falls_back_to_the_whole_run() -> None:
-    trainer = _trainer()
-    monitor = Monitor(ObserveOptions(), stream=io.StringIO()).start(trainer)
-    _steps(monitor, trainer, [(False, 1.0, 1.0)] * 2)  # stopped during warm-up
+    monitor, ledger = _started()
+    _steps(monitor, ledger, [(False, 1.0, 1.0)] * 2)  # stopped during warm-up
     assert monitor.final_figures().steps == 2
     monitor.close()
     assert monitor.final["bottleneck"] == "input-bound"
@@ -120,10 +117,9 @@ def test_producer_capacity_only_from_windows_with_room_in_the_queue() -> None:
 
 
 def test_capacity_is_the_best_sample_so_far() -> None:
-    trainer = _trainer()
-    monitor = Monitor(ObserveOptions(), stream=io.StringIO()).start(trainer)
+    monitor, ledger = _started()
     assert math.isnan(monitor.capacity_per_s)
-    _steps(monitor, trainer, [(True, 0.5, 0.7)] * 3)  # windows >= 1 s: sampled
+    _steps(monitor, ledger, [(True, 0.5, 0.7)] * 3)  # windows >= 1 s: sampled
     assert monitor.capacity_per_s > 0
     assert monitor.final_figures().producer_capacity_per_s == monitor.capacity_per_s
     monitor.close()
