@@ -1,12 +1,15 @@
 """The trainer's one step observer: counts, shows progress, advises, and feeds the exporters.
 
-Per step (on the train loop) the ``Monitor`` adds the ``StepRecord`` to Python counters and, for
-TensorBoard, appends it to a bounded deque: no TF call, no ledger read. When a progress line,
+Per step (on the train loop) the ``Monitor`` adds the ``StepRecord`` to Python counters and
+appends its time to a bounded deque (and, for TensorBoard, the record to another): no TF call,
+no ledger read. When a progress line,
 an advice line or a capacity sample is due it takes one ``Snapshot`` and works on windows of
 snapshots. The Prometheus endpoint and the TensorBoard writer run on their own named threads
 and read snapshots themselves.
 
-It sees the run only through the ``RunFacts`` and the ``RunReader`` given to ``start``.
+It sees the run only through the ``RunFacts`` and the ``RunReader`` given to ``start``. At
+``close`` it computes the run's ``FinalFigures``, the one source of the summary's step figures
+and of the final advice.
 
 Lifecycle: ``Monitor(options)`` -> ``start(facts, reader)`` (binds the metrics port, opens the
 logdir; ``ConfigError`` if either fails) -> ``on_step`` ... -> ``close()`` (idempotent: ends the
@@ -15,6 +18,7 @@ progress line, computes ``final``, writes and closes TensorBoard, stops the HTTP
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.endpoints import host_problem
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.stats import percentile
 from stagefeed.consumer.advice import DEFAULT_WIRE_MB_S, Advice, advise
 from stagefeed.consumer.figures import (
     Figures,
@@ -42,6 +47,26 @@ log = logging.getLogger("stagefeed.monitor")
 
 # Producer capacity is sampled over windows at least this long.
 CAPACITY_WINDOW_S = 1.0
+# Step times kept for the final percentiles: the most recent ones, so memory stays bounded on
+# runs that never end (``--steps 0``).
+MAX_STEP_TIMES = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalFigures:
+    """The run's figures, computed once at the end: the summary and the final advice read them.
+
+    ``window`` runs from the end of the last warm-up step (with no warm-up: of the first step,
+    whose graph set-up would count as compute) to the close; from the start if no step came
+    after that. The percentiles are of ``wait_s + step_s`` of the window's steps (the last
+    ``MAX_STEP_TIMES`` of them); NaN without steps. ``advice`` judges ``window``.
+    """
+
+    window: Figures
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    advice: Advice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +104,7 @@ class Monitor:
     def __init__(self, options: ObserveOptions, stream: Any = None) -> None:
         self.options = options
         self.progress = Progress(options.progress_s, stream)
-        self.final: dict[str, Any] = {}  # {"advice", "bottleneck"} once closed
+        self.final: FinalFigures | None = None  # once started and closed
         self.metrics_address = ""  # host:port of the Prometheus endpoint once started
         self.capacity_per_s = math.nan  # best unthrottled batches/s of one producer
         self._facts: RunFacts | None = None
@@ -89,6 +114,10 @@ class Monitor:
         # When each was last done, on the step records' clock (time.monotonic()).
         self._shown_at = self._advised_at = self._sampled_at = self._origin.at
         self._final_base: Snapshot | None = None
+        # (step, wait_s + step_s in ms) of the latest steps.
+        self._step_ms: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=MAX_STEP_TIMES
+        )
         self._metrics: Any = None
         self._tensorboard: Any = None
         self._closed = False
@@ -138,6 +167,7 @@ class Monitor:
 
     def on_step(self, record: StepRecord) -> None:
         self._counters.add(record)
+        self._step_ms.append((record.step, 1000.0 * (record.wait_s + record.step_s)))
         if self._tensorboard is not None:
             self._tensorboard.record(record)
         now = record.at
@@ -163,29 +193,35 @@ class Monitor:
             log.info("advice: %s", self.advice(self.figures(self._advised, snap)).text)
             self._advised, self._advised_at = snap, now
 
-    def final_figures(self) -> Figures:
-        """The run's figures: after the warm-up if steps followed it, else from the start."""
-        end = self.snapshot()
+    def _final_figures(self, end: Snapshot) -> FinalFigures:
+        """See ``FinalFigures``; ``end`` is the snapshot taken at the close."""
         base = self._final_base
         if base is None or end.steps.steps <= base.steps.steps:
             base = self._origin
-        return self.figures(base, end)
+        window = self.figures(base, end)
+        first = base.steps.last_step  # the window's steps come after this one
+        ms = [t for step, t in self._step_ms if step > first]
+        return FinalFigures(
+            window,
+            median_ms=percentile(ms, 50),
+            p10_ms=percentile(ms, 10),
+            p90_ms=percentile(ms, 90),
+            advice=self.advice(window),
+        )
 
     def close(self) -> None:
         """Idempotent. Sets ``final`` (once started); stops the exporters' threads."""
         if self._closed:
             return
         self._closed = True
-        started = self._facts is not None
-        if started and self._counters.read().steps > self._shown.steps.steps:
-            # The last steps since the last line: the line ends on the final step count.
-            self.progress.show(self.figures(self._shown, self.snapshot()), self._planned)
+        if self._facts is not None:
+            end = self.snapshot()
+            if end.steps.steps > self._shown.steps.steps:
+                # The last steps since the last line: the line ends on the final step count.
+                self.progress.show(self.figures(self._shown, end), self._planned)
+            self.final = self._final_figures(end)
         self.progress.finish()
-        text = None
-        if started:
-            advice = self.advice(self.final_figures())
-            self.final = {"advice": advice.text, "bottleneck": advice.kind}
-            text = advice.text
+        text = self.final.advice.text if self.final is not None else None
         try:
             if self._tensorboard is not None:
                 self._tensorboard.close(text)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -24,9 +23,6 @@ log = logging.getLogger(__name__)
 v1 = tf.compat.v1
 
 WAIT_SLICE_S = 0.1
-# Step records kept for the summary's percentiles: the most recent ones, so memory stays
-# bounded on runs that never end (``--steps 0``).
-MAX_RECORDS = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +71,9 @@ class Trainer:
         self.consumed = 0  # dequeues issued: primed puts + steps
         self.steps_done = 0
         self.loss_first: float | None = None
+        self.loss_last: float | None = None
         self.loss_finite = True
         self.data_ended = False  # every producer signalled end of data, all of it trained
-        self.records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_RECORDS)
         self.device = feed_graph.pick_device(options.device)
         self.facts = RunFacts(
             device=self.device,
@@ -144,10 +140,11 @@ class Trainer:
 
     def train(
         self, stop: threading.Event, health_check: Callable[[], None] | None = None
-    ) -> list[StepRecord]:
+    ) -> None:
         """Prime the staging area, then run warm-up and timed steps until done or ``stop``.
 
-        Returns the step records; raises ``ClosedError`` only if stopped before priming ended.
+        Each step's ``StepRecord`` goes to the observers (none is kept here); raises
+        ``ClosedError`` only if stopped before priming ended.
         """
         feed = self.feed
         assert feed is not None and self._intake is not None
@@ -184,15 +181,14 @@ class Trainer:
             record = StepRecord(
                 step, step > warmup, ready - started, done - ready, float(loss), queued, done
             )
-            self.records.append(record)
             if self.loss_first is None:
                 self.loss_first = record.loss
+            self.loss_last = record.loss
             if not math.isfinite(record.loss):
                 self.loss_finite = False
                 log.warning("step %d: loss is %s", step, record.loss)
             for observer in self.observers:
                 observer.on_step(record)
-        return list(self.records)
 
     def _wait_for_batch(self, stop: threading.Event, checks: list[Callable[[], None]]) -> bool:
         """True once a batch is queued; False when the data ended with none left to queue."""

@@ -14,11 +14,16 @@ import time
 import pytest
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
+from stagefeed.common.options import TrainerOptions
+from stagefeed.common.schema import image_schema
 from stagefeed.consumer.figures import RunFacts, RunReader
 from stagefeed.consumer.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
-from stagefeed.consumer.trainer import StepRecord
+from stagefeed.consumer.summary import format_text, summarize
+from stagefeed.consumer.trainer import StepRecord, Trainer
 
 from tests.figures_util import BATCH_BYTES, window
+
+SPEC = image_schema(batch_size=2)
 
 # --steps 3 --warmup-steps 2: five steps planned.
 FACTS = RunFacts("/cpu:0", 2, BATCH_BYTES, "float32", queue_capacity=20, steps_planned=5)
@@ -75,32 +80,75 @@ def test_progress_lines_and_advice_lines_when_due(caplog) -> None:
     monitor.close()
 
 
-def test_final_window_starts_after_the_warm_up() -> None:
+def test_final_figures_start_after_the_warm_up() -> None:
     monitor, ledger = _started()
-    # Two slow warm-up steps that waited long, then three timed steps that never waited.
-    _steps(monitor, ledger, [(False, 5.0, 3.0)] * 2 + [(True, 0.0, 0.1)] * 3)
-    f = monitor.final_figures()
-    assert f.steps == 3
-    assert f.stall_pct == 0.0
-    assert f.compute_ms == pytest.approx(100.0)
+    # Two slow warm-up steps that waited long, then three timed steps: 100, 200 and 400 ms.
+    _steps(monitor, ledger, [(False, 5.0, 3.0)] * 2 + [(True, 0.0, 0.1), (True, 0.1, 0.1),
+                                                      (True, 0.0, 0.4)])  # fmt: skip
     monitor.close()
-    assert set(monitor.final) == {"advice", "bottleneck"}
-    assert monitor.final["advice"].startswith(monitor.final["bottleneck"] + ": ")
+    final = monitor.final
+    assert final is not None
+    assert final.window.steps == 3 and final.window.last_step == 5
+    assert final.window.stall_pct == pytest.approx(100 * 0.1 / 0.7)
+    assert final.window.compute_ms == pytest.approx(200.0)
+    # numpy's linear interpolation over the timed steps only: [100, 200, 400].
+    assert final.median_ms == pytest.approx(200.0)
+    assert final.p10_ms == pytest.approx(120.0)
+    assert final.p90_ms == pytest.approx(360.0)
+    assert final.advice.text.startswith(final.advice.kind + ": ")
+    assert final.advice == monitor.advice(final.window)
     monitor.close()  # idempotent
+    assert monitor.final is final
 
 
-def test_final_window_falls_back_to_the_whole_run() -> None:
+def test_without_warm_up_the_final_figures_start_after_the_first_step() -> None:
     monitor, ledger = _started()
-    _steps(monitor, ledger, [(False, 1.0, 1.0)] * 2)  # stopped during warm-up
-    assert monitor.final_figures().steps == 2
+    _steps(monitor, ledger, [(True, 2.0, 5.0), (True, 0.0, 0.1), (True, 0.0, 0.3)])
     monitor.close()
-    assert monitor.final["bottleneck"] == "input-bound"
+    assert monitor.final is not None
+    assert monitor.final.window.steps == 2 and monitor.final.window.stall_pct == 0.0
+    assert monitor.final.median_ms == pytest.approx(200.0)
+
+
+def test_final_figures_fall_back_to_the_whole_run() -> None:
+    monitor, ledger = _started()
+    _steps(monitor, ledger, [(False, 1.0, 1.0), (False, 1.0, 3.0)])  # stopped during warm-up
+    monitor.close()
+    assert monitor.final is not None
+    assert monitor.final.window.steps == 2
+    assert monitor.final.median_ms == pytest.approx(3000.0)
+    assert monitor.final.advice.kind == "input-bound"
 
 
 def test_a_monitor_never_started_closes_without_figures() -> None:
     monitor = Monitor(ObserveOptions(), stream=io.StringIO())
     monitor.close()
-    assert monitor.final == {}
+    assert monitor.final is None
+
+
+def test_the_summary_takes_the_final_figures_as_they_are() -> None:
+    monitor, ledger = _started()
+    index = ledger.open("prod-a")
+    _steps(monitor, ledger, [(False, 1.0, 1.0)] * 2 + [(True, 0.1, 0.2)] * 3)
+    for seq in range(100, 110):  # delivered after the warm-up: in the final window
+        ledger.accept(index, seq, BATCH_BYTES)
+    monitor.close()
+    final = monitor.final
+    assert final is not None and final.window.received_mb_per_s > 0
+    # The summary's own books are a trainer's (never started); its step figures are the
+    # monitor's.
+    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, steps=3))
+    summary = summarize(trainer, final, wall_s=10.0, interrupted=False)
+    assert summary["median_ms"] == summary["p10_ms"] == summary["p90_ms"] == 300.0
+    assert summary["stall_pct"] == round(final.window.stall_pct, 2) == 33.33
+    assert summary["images_per_s"] == round(final.window.images_per_s, 2)
+    assert summary["received_mb_per_s"] == round(final.window.received_mb_per_s, 2)
+    assert (summary["advice"], summary["bottleneck"]) == (final.advice.text, final.advice.kind)
+    assert "advice: " + final.advice.text in format_text(summary)
+
+    never = summarize(trainer, None, wall_s=1.0, interrupted=True)
+    assert never["median_ms"] is never["stall_pct"] is never["images_per_s"] is None
+    assert "advice" not in never and "bottleneck" not in never
 
 
 def test_producer_capacity_only_from_windows_with_room_in_the_queue() -> None:
@@ -121,5 +169,6 @@ def test_capacity_is_the_best_sample_so_far() -> None:
     assert math.isnan(monitor.capacity_per_s)
     _steps(monitor, ledger, [(True, 0.5, 0.7)] * 3)  # windows >= 1 s: sampled
     assert monitor.capacity_per_s > 0
-    assert monitor.final_figures().producer_capacity_per_s == monitor.capacity_per_s
     monitor.close()
+    assert monitor.final is not None
+    assert monitor.final.window.producer_capacity_per_s == monitor.capacity_per_s
