@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -31,7 +32,7 @@ from stagefeed.bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
 from stagefeed.bench.report import machine
 from stagefeed.bench.sources import LABELS_IN_PLACE
 from stagefeed.common.errors import ClosedError
-from stagefeed.common.ledger import Ledger
+from stagefeed.common.ledger import Books
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema
@@ -85,11 +86,6 @@ def delivery_schema(schema: Schema) -> Schema:
     return dataclasses.replace(schema, arrays=arrays)
 
 
-def _delivering(ledger: Ledger) -> int:
-    """Connections that delivered at least one batch (a hello alone does not count)."""
-    return sum(1 for books in ledger.summary().values() if books.get("received"))
-
-
 class _Clock:
     """A ``StepObserver`` that picks the timed steps and ends training after ``count``.
 
@@ -105,10 +101,12 @@ class _Clock:
         self.start_at: float | None = None
         self.timed: list[StepRecord] = []
         self.pool: ProducerPool | None = None
+        self.books: Callable[[], Books] | None = None  # the trainer's ledger reads
         self.cpu_s: list[float | None] = []  # the feed path's, at the window's start and end
 
-    def on_step(self, record: StepRecord, trainer: Trainer) -> None:
-        if self.all_seen_at_step is None and _delivering(trainer.ledger) >= self.producers:
+    def on_step(self, record: StepRecord) -> None:
+        assert self.books is not None, "set the clock's books before training"
+        if self.all_seen_at_step is None and self.books().delivering >= self.producers:
             self.all_seen_at_step = record.step
         if self.all_seen_at_step is not None:
             if record.step == self.all_seen_at_step + self.warmup:
@@ -165,6 +163,7 @@ def measure_stagefeed(
     )
     clock = _Clock(producers, buffered + 2, count, stop)
     trainer = Trainer(options, [clock], model_fn=trivial_model_fn)
+    clock.books = trainer.reader.books
     pool: ProducerPool | None = None
     try:
         trainer.start()
@@ -200,8 +199,8 @@ def measure_stagefeed(
         # The consumer is far faster than delivery, so this is near 100%: it says the step
         # waited on delivery, i.e. the figure is the feed path's, not the consumer's.
         "consumer_wait_pct": round(100 * sum(r.wait_s for r in clock.timed) / elapsed, 2),
-        "received": totals["received"],
-        "dropped": totals["dropped"],
+        "received": totals.received,
+        "dropped": totals.dropped,
         "device": trainer.device,
         "core_ms_per_batch": _per_batch_ms(clock.cpu_s, count),
         "shm": trainer.shm_stats(),

@@ -99,7 +99,7 @@ class StagefeedMode:
             "queue_full_at_start": settled["queue_full"],
         }
 
-    def on_step(self, record: StepRecord, trainer: Trainer) -> None:
+    def on_step(self, record: StepRecord) -> None:
         """The gate (a ``StepObserver``): hand the record over, hold until the next ``step()``."""
         self._records.put(record)
         while not self._go.acquire(timeout=GATE_POLL_S):

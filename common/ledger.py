@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from stagefeed.common.errors import DropReason
 from stagefeed.common.sequence import SequenceTracker
@@ -50,6 +50,49 @@ class ProducerStats:
     sequence: SequenceTracker = dataclasses.field(default_factory=SequenceTracker)
     trained_sequence: SequenceTracker = dataclasses.field(default_factory=SequenceTracker)
     drops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+@dataclasses.dataclass(frozen=True)
+class Totals:
+    """Counters summed over every connection (``dropped`` includes drops without one)."""
+
+    received: int = 0
+    received_bytes: int = 0
+    enqueued: int = 0
+    trained: int = 0
+    dropped: int = 0
+    seq_missing: int = 0  # sequence numbers never received, the holes between connections too
+    abandoned: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerTotals:
+    """What one connection delivered and had trained, and its sequence holes."""
+
+    received: int
+    trained: int
+    seq_missing: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Books:
+    """Every counter an observer reads, taken under one lock (so consistent with each other).
+
+    ``producers`` is keyed like ``Ledger.summary()`` (the label, ``label#index`` when one name
+    has several connections) and has no ``<unidentified>`` entry: drops without a connection
+    are in ``dropped`` and ``totals.dropped`` only.
+    """
+
+    totals: Totals = Totals()
+    producers: Mapping[str, ProducerTotals] = dataclasses.field(default_factory=dict)
+    dropped: Mapping[str, int] = dataclasses.field(default_factory=dict)  # by reason
+    peer_events: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    refused: Mapping[str, int] = dataclasses.field(default_factory=dict)  # hellos, by reason
+
+    @property
+    def delivering(self) -> int:
+        """Connections that delivered a valid batch (a hello alone does not count)."""
+        return sum(p.received > 0 for p in self.producers.values())
 
 
 class Ledger:
@@ -187,35 +230,69 @@ class Ledger:
             for index, _ in zip(indices, seqs, strict=True):
                 self._entries[int(index)].abandoned += 1
 
-    def totals(self) -> dict[str, int]:
-        """Cheap aggregate counters for progress lines and metrics."""
+    def totals(self) -> Totals:
+        """The aggregate counters."""
         with self._lock:
-            entries = self._entries.values()
+            return self._totals(self._gaps())
+
+    def read(self) -> Books:
+        """Every counter an observer needs, in one lock: cheap enough for each tick or scrape."""
+        with self._lock:
             gaps = self._gaps()
-            return {
-                "received": sum(s.received for s in entries),
-                "received_bytes": sum(s.received_bytes for s in entries),
-                "enqueued": sum(s.enqueued for s in entries),
-                "trained": sum(s.trained for s in entries),
-                "dropped": sum(sum(s.drops.values()) for s in entries)
-                + sum(self._unidentified.values()),
-                "seq_missing": sum(s.sequence.missing for s in entries) + sum(gaps.values()),
-                "abandoned": sum(s.abandoned for s in entries),
-            }
+            return Books(
+                totals=self._totals(gaps),
+                producers={
+                    key: ProducerTotals(s.received, s.trained, s.sequence.missing + gaps.get(i, 0))
+                    for key, i, s in self._keyed()
+                },
+                dropped=self._drops_by_reason(),
+                peer_events=dict(self._peer_events),
+                refused=self._refusals_by_reason(),
+            )
 
     def drops_by_reason(self) -> dict[str, int]:
         with self._lock:
-            out: collections.Counter[str] = collections.Counter(self._unidentified)
-            for s in self._entries.values():
-                out.update(s.drops)
-            return dict(out)
+            return self._drops_by_reason()
 
     def refusals_by_reason(self) -> dict[str, int]:
         with self._lock:
-            out: collections.Counter[str] = collections.Counter()
-            for counts in self._refused.values():
-                out.update(counts)
-            return dict(out)
+            return self._refusals_by_reason()
+
+    def _totals(self, gaps: dict[int, int]) -> Totals:
+        """Lock held; ``gaps`` from ``_gaps()``."""
+        entries = self._entries.values()
+        return Totals(
+            received=sum(s.received for s in entries),
+            received_bytes=sum(s.received_bytes for s in entries),
+            enqueued=sum(s.enqueued for s in entries),
+            trained=sum(s.trained for s in entries),
+            dropped=sum(sum(s.drops.values()) for s in entries) + sum(self._unidentified.values()),
+            seq_missing=sum(s.sequence.missing for s in entries) + sum(gaps.values()),
+            abandoned=sum(s.abandoned for s in entries),
+        )
+
+    def _drops_by_reason(self) -> dict[str, int]:
+        """Lock held."""
+        out: collections.Counter[str] = collections.Counter(self._unidentified)
+        for s in self._entries.values():
+            out.update(s.drops)
+        return dict(out)
+
+    def _refusals_by_reason(self) -> dict[str, int]:
+        """Lock held."""
+        out: collections.Counter[str] = collections.Counter()
+        for counts in self._refused.values():
+            out.update(counts)
+        return dict(out)
+
+    def _keyed(self) -> list[tuple[str, int, ProducerStats]]:
+        """(key, index, stats) per entry; one producer reconnecting opens a second entry under
+        the same name, so a name shared by entries gets ``#index``. Lock held."""
+        labels = collections.Counter(s.label for s in self._entries.values())
+        return [
+            (s.label if labels[s.label] == 1 else f"{s.label}#{i}", i, s)
+            for i, s in self._entries.items()
+        ]
 
     def refusals(self) -> dict[str, dict[str, int]]:
         """Refused hellos by declared producer name, then reason."""
@@ -223,14 +300,12 @@ class Ledger:
             return {name: dict(c) for name, c in self._refused.items()}
 
     def summary(self) -> dict[str, dict]:
-        """Per connection (plus ``<unidentified>`` for drops without one): every count."""
+        """Per connection (plus ``<unidentified>`` for drops without one): every count, shaped
+        for the end-of-run JSON. Observers read ``read()`` instead."""
         with self._lock:
             out: dict[str, dict] = {}
-            labels = collections.Counter(s.label for s in self._entries.values())
             gaps = self._gaps()
-            for s in self._entries.values():
-                # One producer reconnecting opens a second entry under the same name.
-                key = s.label if labels[s.label] == 1 else f"{s.label}#{s.index}"
+            for key, _, s in self._keyed():
                 out[key] = {
                     "received": s.received,
                     "received_mb": round(s.received_bytes / 2**20, 3),

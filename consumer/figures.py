@@ -1,10 +1,15 @@
 """The figures of a run: cumulative counters fed per step, snapshots, and windows between them.
 
+Observers see a run through two narrow things, never the trainer: ``RunFacts`` (fixed for the
+run: batch size and bytes, queue capacity, device) and a ``RunReader`` (the queue fill now and
+one typed read of the ledger's books).
+
 The train loop's per-step cost is ``StepCounters.add``: a lock and a few additions, no TF call
 and no ledger read. Everything else (ledger reads, rates, per-producer figures) happens when a
 sink asks for a ``Snapshot``: a progress tick, a TensorBoard flush, a Prometheus scrape.
 
-A window ``figures_between(a, b)`` turns two snapshots into rates over ``b.at - a.at`` seconds.
+A window ``figures_between(a, b, facts)`` turns two snapshots into rates over ``b.at - a.at``
+seconds.
 """
 
 from __future__ import annotations
@@ -13,12 +18,33 @@ import dataclasses
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from stagefeed.common.ledger import UNIDENTIFIED
+from stagefeed.common.ledger import Books
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.trainer import StepRecord, Trainer
+    from stagefeed.consumer.trainer import StepRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What the observers know of a run and that never changes while it runs."""
+
+    device: str  # where the step runs: /cpu:0, /gpu:0
+    batch_size: int
+    batch_bytes: int  # one batch as it travels
+    wire_dtype: str  # of the largest array on the wire
+    queue_capacity: int  # FIFOQueue capacity, batches
+    steps_planned: int = 0  # warm-up + timed steps; 0: until stopped
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReader:
+    """The live reads observers may make, each thread-safe and cheap (no TensorFlow call)."""
+
+    queue_batches: Callable[[], int]  # FIFOQueue fill now (a lower bound)
+    books: Callable[[], Books]  # the ledger's counters, one consistent read (``Ledger.read``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,46 +87,24 @@ class StepCounters:
 
 
 @dataclasses.dataclass(frozen=True)
-class ProducerTotals:
-    received: int
-    trained: int
-    seq_missing: int
-
-
-@dataclasses.dataclass(frozen=True)
 class Snapshot:
     """Every cumulative figure at one moment (``at``: ``time.monotonic()``)."""
 
     at: float
     steps: StepTotals
     queue_batches: int  # FIFOQueue fill now (lower bound, see ``Trainer.queue_batches``)
-    received: int = 0
-    received_bytes: int = 0
-    seq_missing: int = 0
-    dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason
-    producers: dict[str, ProducerTotals] = dataclasses.field(default_factory=dict)
+    books: Books = Books()
 
 
-def take_snapshot(counters: StepCounters, trainer: Trainer) -> Snapshot:
-    """Read the counters and the trainer's ledger (three short ledger locks)."""
-    ledger = trainer.ledger
-    totals = ledger.totals()
-    producers = {
-        name: ProducerTotals(p["received"], p["trained"], p.get("seq_missing", 0))
-        for name, p in ledger.summary().items()
-        if name != UNIDENTIFIED
-    }
+def take_snapshot(counters: StepCounters, reader: RunReader) -> Snapshot:
+    """Read the step counters, the queue fill and the books (one ledger lock)."""
     return Snapshot(
         at=time.monotonic(),
         steps=counters.read(),
         # The count can pass the capacity by one while a step runs: its dequeue let an enqueue
         # finish before the train loop counted the dequeue.
-        queue_batches=min(trainer.queue_batches, counters.queue_capacity),
-        received=totals["received"],
-        received_bytes=totals["received_bytes"],
-        seq_missing=totals["seq_missing"],
-        dropped=ledger.drops_by_reason(),
-        producers=producers,
+        queue_batches=min(reader.queue_batches(), counters.queue_capacity),
+        books=reader.books(),
     )
 
 
@@ -137,7 +141,7 @@ class Figures:
     queue_capacity: int
     queue_mean_batches: float
     queue_full_pct: float
-    producers_seen: int
+    producers_seen: int  # delivered a valid batch, in this window or before
     producers_active: int  # delivered at least one batch in the window
     producer_per_s: dict[str, float]
     dropped: dict[str, int]  # in the window, by reason
@@ -156,54 +160,49 @@ class Figures:
         return sum(self.dropped.values())
 
 
-def figures_between(
-    a: Snapshot,
-    b: Snapshot,
-    batch_size: int,
-    batch_bytes: int,
-    wire_dtype: str,
-    queue_capacity: int,
-) -> Figures:
+def figures_between(a: Snapshot, b: Snapshot, facts: RunFacts) -> Figures:
     """The window from snapshot ``a`` to the later snapshot ``b``."""
     seconds = max(b.at - a.at, 1e-9)
     steps = b.steps.steps - a.steps.steps
     wait_s = b.steps.wait_s - a.steps.wait_s
     step_s = b.steps.step_s - a.steps.step_s
     busy = wait_s + step_s
+    was, now = a.books, b.books
     per_producer = {
-        name: (p.received - (a.producers[name].received if name in a.producers else 0)) / seconds
-        for name, p in b.producers.items()
+        name: (p.received - (was.producers[name].received if name in was.producers else 0))
+        / seconds
+        for name, p in now.producers.items()
     }
     dropped = {
-        reason: n - a.dropped.get(reason, 0)
-        for reason, n in b.dropped.items()
-        if n - a.dropped.get(reason, 0)
+        reason: n - was.dropped.get(reason, 0)
+        for reason, n in now.dropped.items()
+        if n - was.dropped.get(reason, 0)
     }
     return Figures(
         seconds=seconds,
         steps=steps,
         last_step=b.steps.last_step,
-        batch_size=batch_size,
-        batch_mb=batch_bytes / 2**20,
-        wire_dtype=wire_dtype,
+        batch_size=facts.batch_size,
+        batch_mb=facts.batch_bytes / 2**20,
+        wire_dtype=facts.wire_dtype,
         stall_pct=100.0 * wait_s / busy if steps and busy > 0 else math.nan,
         ms_per_step=1000.0 * busy / steps if steps else math.nan,
         compute_ms=1000.0 * step_s / steps if steps else math.nan,
-        images_per_s=steps * batch_size / seconds,
+        images_per_s=steps * facts.batch_size / seconds,
         step_per_s=steps / seconds,
         consume_per_s=steps / step_s if steps and step_s > 0 else math.nan,
-        deliver_per_s=(b.received - a.received) / seconds,
-        received_mb_per_s=(b.received_bytes - a.received_bytes) / 2**20 / seconds,
+        deliver_per_s=(now.totals.received - was.totals.received) / seconds,
+        received_mb_per_s=(now.totals.received_bytes - was.totals.received_bytes) / 2**20 / seconds,
         queue_batches=b.queue_batches,
-        queue_capacity=queue_capacity,
+        queue_capacity=facts.queue_capacity,
         queue_mean_batches=(b.steps.queue_sum - a.steps.queue_sum) / steps if steps else math.nan,
         queue_full_pct=100.0 * (b.steps.full_steps - a.steps.full_steps) / steps
         if steps
         else math.nan,
-        producers_seen=len(b.producers),
+        producers_seen=now.delivering,
         producers_active=sum(rate > 0 for rate in per_producer.values()),
         producer_per_s=per_producer,
         dropped=dropped,
-        seq_missing=b.seq_missing - a.seq_missing,
+        seq_missing=now.totals.seq_missing - was.totals.seq_missing,
         loss=b.steps.loss,
     )

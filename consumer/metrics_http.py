@@ -1,8 +1,9 @@
 """The Prometheus endpoint: the run's figures in the text exposition format over HTTP.
 
-Metrics are collected when scraped (a custom collector reads one ``Snapshot``), so the train
-loop pays nothing for them. Counters are cumulative since the trainer started, warm-up steps
-included; rates and the stall ratio are the scraper's job (PromQL in docs/observability.md).
+Metrics are collected when scraped (a custom collector reads one ``Snapshot`` and the run's
+``RunFacts``, nothing else), so the train loop pays nothing for them. Counters are cumulative
+since the trainer started, warm-up steps included; rates and the stall ratio are the scraper's
+job (PromQL in docs/observability.md).
 
 Per-producer series (labelled with producer ids, which name hosts and pids) are exported only
 with ``producer_labels``; otherwise those counters are aggregates. The server listens on
@@ -25,17 +26,14 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import HTTPServer
 from socketserver import TCPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
-from stagefeed.consumer.figures import Snapshot
-
-if TYPE_CHECKING:
-    from stagefeed.consumer.trainer import Trainer
+from stagefeed.consumer.figures import RunFacts, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +48,14 @@ class StagefeedCollector:
     """Yields the metric families of one snapshot (names in docs/observability.md)."""
 
     def __init__(
-        self, snapshot: Callable[[], Snapshot], trainer: Trainer, producer_labels: bool = False
+        self, snapshot: Callable[[], Snapshot], facts: RunFacts, producer_labels: bool = False
     ) -> None:
         self._snapshot = snapshot
-        self._trainer = trainer
+        self._facts = facts
         self._producer_labels = producer_labels
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
-        options = self._trainer.options
-        spec = options.schema
+        snap, facts = self._snapshot(), self._facts
         steps = snap.steps
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -74,13 +70,7 @@ class StagefeedCollector:
             labels=["device", "wire_dtype", "batch_size", "queue_capacity"],
         )
         info.add_metric(
-            [
-                self._trainer.device,
-                spec.wire_dtype,
-                str(spec.batch_size),
-                str(options.queue_capacity),
-            ],
-            1,
+            [facts.device, facts.wire_dtype, str(facts.batch_size), str(facts.queue_capacity)], 1
         )
         yield info
         yield counter("steps", "Train steps run (warm-up included)", steps.steps)
@@ -95,22 +85,25 @@ class StagefeedCollector:
             "Time of the train steps themselves, waiting for input excluded",
             steps.step_s,
         )
-        yield counter("trained_images", "Images trained on", steps.steps * spec.batch_size)
+        yield counter("trained_images", "Images trained on", steps.steps * facts.batch_size)
         yield gauge("loss", "Loss of the latest step", steps.loss)
         yield gauge("queue_batches", "Batches in the FIFOQueue", snap.queue_batches)
-        yield gauge("queue_bytes", "Bytes in the FIFOQueue", snap.queue_batches * spec.batch_bytes)
-        yield gauge("queue_capacity_batches", "FIFOQueue capacity", options.queue_capacity)
+        yield gauge("queue_bytes", "Bytes in the FIFOQueue", snap.queue_batches * facts.batch_bytes)
+        yield gauge("queue_capacity_batches", "FIFOQueue capacity", facts.queue_capacity)
         yield counter(
             "queue_full_steps", "Steps that started with the FIFOQueue full", steps.full_steps
         )
-        yield counter("received_bytes", "Bytes of valid batches received", snap.received_bytes)
-        yield gauge("producers_seen", "Producers that delivered a valid batch", len(snap.producers))
+        books = snap.books
+        yield counter(
+            "received_bytes", "Bytes of valid batches received", books.totals.received_bytes
+        )
+        yield gauge("producers_seen", "Producers that delivered a valid batch", books.delivering)
 
         yield from self._per_producer(snap)
         dropped = CounterMetricFamily(
             PREFIX + "dropped_messages", "Messages dropped, by reason", labels=["reason"]
         )
-        for reason, n in sorted(snap.dropped.items()):
+        for reason, n in sorted(books.dropped.items()):
             dropped.add_metric([reason], n)
         yield dropped
         connections = CounterMetricFamily(
@@ -119,7 +112,7 @@ class StagefeedCollector:
             "handshake failures by kind",
             labels=["event"],
         )
-        for event, n in sorted(self._trainer.ledger.peer_events().items()):
+        for event, n in sorted(books.peer_events.items()):
             connections.add_metric([event], n)
         yield connections
         refused = CounterMetricFamily(
@@ -127,7 +120,7 @@ class StagefeedCollector:
             "Producers refused at hello (schema mismatch, connection limit), by reason",
             labels=["reason"],
         )
-        for reason, n in sorted(self._trainer.ledger.refusals_by_reason().items()):
+        for reason, n in sorted(books.refused.items()):
             refused.add_metric([reason], n)
         yield refused
 
@@ -143,7 +136,7 @@ class StagefeedCollector:
                 "seq_missing",
             ),
         ]
-        producers = sorted(snap.producers.items())
+        producers = sorted(snap.books.producers.items())
         for kind, name, doc, attr in families:
             if not self._producer_labels:
                 yield kind(PREFIX + name, doc, value=sum(getattr(p, attr) for _, p in producers))
@@ -234,13 +227,13 @@ class MetricsServer:
     def __init__(
         self,
         snapshot: Callable[[], Snapshot],
-        trainer: Trainer,
+        facts: RunFacts,
         host: str,
         port: int,
         producer_labels: bool = False,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StagefeedCollector(snapshot, trainer, producer_labels))
+        self.registry.register(StagefeedCollector(snapshot, facts, producer_labels))
         ProcessCollector(registry=self.registry)
         self._host, self._port = host.strip("[]"), port
         self._stop = threading.Event()

@@ -1,18 +1,24 @@
 """The trainer's one step observer: counts, shows progress, advises, and feeds the exporters.
 
-Per step (on the train loop) the ``Monitor`` adds the ``StepRecord`` to Python counters and, for
-TensorBoard, appends it to a bounded deque: no TF call, no ledger read. When a progress line,
+Per step (on the train loop) the ``Monitor`` adds the ``StepRecord`` to Python counters and
+appends its time to a bounded deque (and, for TensorBoard, the record to another): no TF call,
+no ledger read. When a progress line,
 an advice line or a capacity sample is due it takes one ``Snapshot`` and works on windows of
 snapshots. The Prometheus endpoint and the TensorBoard writer run on their own named threads
 and read snapshots themselves.
 
-Lifecycle: ``Monitor(options)`` -> ``start(trainer)`` (binds the metrics port, opens the
+It sees the run only through the ``RunFacts`` and the ``RunReader`` given to ``start``. At
+``close`` it computes the run's ``FinalFigures``, the one source of the summary's step figures
+and of the final advice.
+
+Lifecycle: ``Monitor(options)`` -> ``start(facts, reader)`` (binds the metrics port, opens the
 logdir; ``ConfigError`` if either fails) -> ``on_step`` ... -> ``close()`` (idempotent: ends the
 progress line, computes ``final``, writes and closes TensorBoard, stops the HTTP server).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -20,9 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.endpoints import host_problem
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.stats import percentile
 from stagefeed.consumer.advice import DEFAULT_WIRE_MB_S, Advice, advise
 from stagefeed.consumer.figures import (
     Figures,
+    RunFacts,
+    RunReader,
     Snapshot,
     StepCounters,
     empty_snapshot,
@@ -32,12 +41,32 @@ from stagefeed.consumer.figures import (
 from stagefeed.consumer.progress import Progress
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.trainer import StepRecord, Trainer
+    from stagefeed.consumer.trainer import StepRecord
 
 log = logging.getLogger("stagefeed.monitor")
 
 # Producer capacity is sampled over windows at least this long.
 CAPACITY_WINDOW_S = 1.0
+# Step times kept for the final percentiles: the most recent ones, so memory stays bounded on
+# runs that never end (``--steps 0``).
+MAX_STEP_TIMES = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalFigures:
+    """The run's figures, computed once at the end: the summary and the final advice read them.
+
+    ``window`` runs from the end of the last warm-up step (with no warm-up: of the first step,
+    whose graph set-up would count as compute) to the close; from the start if no step came
+    after that. The percentiles are of ``wait_s + step_s`` of the window's steps (the last
+    ``MAX_STEP_TIMES`` of them); NaN without steps. ``advice`` judges ``window``.
+    """
+
+    window: Figures
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    advice: Advice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,22 +104,27 @@ class Monitor:
     def __init__(self, options: ObserveOptions, stream: Any = None) -> None:
         self.options = options
         self.progress = Progress(options.progress_s, stream)
-        self.final: dict[str, Any] = {}  # {"advice", "bottleneck"} once closed
+        self.final: FinalFigures | None = None  # once started and closed
         self.metrics_address = ""  # host:port of the Prometheus endpoint once started
         self.capacity_per_s = math.nan  # best unthrottled batches/s of one producer
-        self._trainer: Trainer | None = None
+        self._facts: RunFacts | None = None
+        self._reader: RunReader | None = None
         self._counters = StepCounters(1)
         self._origin = self._shown = self._advised = self._sampled = empty_snapshot()
         # When each was last done, on the step records' clock (time.monotonic()).
         self._shown_at = self._advised_at = self._sampled_at = self._origin.at
         self._final_base: Snapshot | None = None
+        # (step, wait_s + step_s in ms) of the latest steps.
+        self._step_ms: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=MAX_STEP_TIMES
+        )
         self._metrics: Any = None
         self._tensorboard: Any = None
         self._closed = False
 
-    def start(self, trainer: Trainer) -> Monitor:
-        self._trainer = trainer
-        self._counters = StepCounters(trainer.options.queue_capacity)
+    def start(self, facts: RunFacts, reader: RunReader) -> Monitor:
+        self._facts, self._reader = facts, reader
+        self._counters = StepCounters(facts.queue_capacity)
         self._origin = self._shown = self._advised = self._sampled = empty_snapshot()
         self._shown_at = self._advised_at = self._sampled_at = self._origin.at
         opts = self.options
@@ -104,7 +138,7 @@ class Monitor:
                 ) from None
             self._metrics = MetricsServer(
                 self.snapshot,
-                trainer,
+                facts,
                 opts.metrics_bind,
                 opts.metrics_port,
                 producer_labels=opts.metrics_producer_labels,
@@ -119,23 +153,21 @@ class Monitor:
         return self
 
     def snapshot(self) -> Snapshot:
-        assert self._trainer is not None, "Monitor.start(trainer) first"
-        return take_snapshot(self._counters, self._trainer)
+        assert self._reader is not None, "Monitor.start(facts, reader) first"
+        return take_snapshot(self._counters, self._reader)
 
     def figures(self, a: Snapshot, b: Snapshot) -> Figures:
         """The window from ``a`` to ``b``, with the producer capacity seen so far."""
-        assert self._trainer is not None, "Monitor.start(trainer) first"
-        spec = self._trainer.options.schema
-        f = figures_between(
-            a, b, spec.batch_size, spec.batch_bytes, spec.wire_dtype, self._counters.queue_capacity
-        )
+        assert self._facts is not None, "Monitor.start(facts, reader) first"
+        f = figures_between(a, b, self._facts)
         return dataclasses.replace(f, producer_capacity_per_s=self.capacity_per_s)
 
     def advice(self, f: Figures) -> Advice:
         return advise(f, self.options.wire_mb_s)
 
-    def on_step(self, record: StepRecord, trainer: Trainer) -> None:
+    def on_step(self, record: StepRecord) -> None:
         self._counters.add(record)
+        self._step_ms.append((record.step, 1000.0 * (record.wait_s + record.step_s)))
         if self._tensorboard is not None:
             self._tensorboard.record(record)
         now = record.at
@@ -154,35 +186,42 @@ class Monitor:
             self._sample_capacity(self._sampled, snap)
             self._sampled, self._sampled_at = snap, now
         if show:
-            self.progress.show(self.figures(self._shown, snap), self._steps_planned())
+            self.progress.show(self.figures(self._shown, snap), self._planned)
             self._shown, self._shown_at = snap, now
         if advise_now:
             self.progress.break_line()
             log.info("advice: %s", self.advice(self.figures(self._advised, snap)).text)
             self._advised, self._advised_at = snap, now
 
-    def final_figures(self) -> Figures:
-        """The run's figures: after the warm-up if steps followed it, else from the start."""
-        end = self.snapshot()
+    def _final_figures(self, end: Snapshot) -> FinalFigures:
+        """See ``FinalFigures``; ``end`` is the snapshot taken at the close."""
         base = self._final_base
         if base is None or end.steps.steps <= base.steps.steps:
             base = self._origin
-        return self.figures(base, end)
+        window = self.figures(base, end)
+        first = base.steps.last_step  # the window's steps come after this one
+        ms = [t for step, t in self._step_ms if step > first]
+        return FinalFigures(
+            window,
+            median_ms=percentile(ms, 50),
+            p10_ms=percentile(ms, 10),
+            p90_ms=percentile(ms, 90),
+            advice=self.advice(window),
+        )
 
     def close(self) -> None:
         """Idempotent. Sets ``final`` (once started); stops the exporters' threads."""
         if self._closed:
             return
         self._closed = True
-        if self._trainer is not None and self._counters.read().steps > self._shown.steps.steps:
-            # The last steps since the last line: the line ends on the final step count.
-            self.progress.show(self.figures(self._shown, self.snapshot()), self._steps_planned())
+        if self._facts is not None:
+            end = self.snapshot()
+            if end.steps.steps > self._shown.steps.steps:
+                # The last steps since the last line: the line ends on the final step count.
+                self.progress.show(self.figures(self._shown, end), self._planned)
+            self.final = self._final_figures(end)
         self.progress.finish()
-        text = None
-        if self._trainer is not None:
-            advice = self.advice(self.final_figures())
-            self.final = {"advice": advice.text, "bottleneck": advice.kind}
-            text = advice.text
+        text = self.final.advice.text if self.final is not None else None
         try:
             if self._tensorboard is not None:
                 self._tensorboard.close(text)
@@ -195,10 +234,9 @@ class Monitor:
         if rate is not None and not rate <= self.capacity_per_s:  # NaN: first sample
             self.capacity_per_s = rate
 
-    def _steps_planned(self) -> int:
-        assert self._trainer is not None
-        opts = self._trainer.options
-        return opts.steps + opts.warmup_steps if opts.steps else 0
+    @property
+    def _planned(self) -> int:
+        return self._facts.steps_planned if self._facts is not None else 0
 
 
 def unthrottled_producer_rate(f: Figures, queue_at_start: int) -> float | None:

@@ -1,4 +1,8 @@
-"""The end-of-run summary: as a dict (for ``--json``) and as text."""
+"""The end-of-run summary: as a dict (for ``--json``) and as text.
+
+The step figures (percentiles, examples/s, received MiB/s, stall) and the advice are the
+monitor's ``FinalFigures``, taken as they are: nothing here computes them again.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +11,20 @@ import math
 import time
 from typing import Any
 
-from stagefeed.common.stats import percentile
+from stagefeed.consumer.monitor import FinalFigures
 from stagefeed.consumer.trainer import Trainer
 
 
-def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, Any]:
-    """Every figure of a run. Step statistics cover the timed steps (warm-up excluded)."""
+def summarize(
+    trainer: Trainer, final: FinalFigures | None, wall_s: float, interrupted: bool
+) -> dict[str, Any]:
+    """Every figure of a run; ``final`` is None when the monitor never started (no step
+    figures then, and no advice)."""
     options, spec = trainer.options, trainer.schema
-    timed = [r for r in trainer.records if r.timed]
-    step_ms = [(r.wait_s + r.step_s) * 1000 for r in timed]
-    waited = sum(r.wait_s for r in timed)
-    busy = sum(r.wait_s + r.step_s for r in timed)
-    window = (timed[-1].at - timed[0].at + timed[0].wait_s + timed[0].step_s) if timed else 0.0
     totals = trainer.ledger.totals()
-    losses = [r.loss for r in trainer.records]
-    loss_first = trainer.loss_first if trainer.loss_first is not None else math.nan
-    return {
+    nan = math.nan
+    window = final.window if final is not None else None
+    summary: dict[str, Any] = {
         "device": trainer.device,
         "endpoint": trainer.endpoint,
         "transport": trainer.transport,
@@ -37,23 +39,23 @@ def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, A
         "warmup_steps": min(trainer.steps_done, options.warmup_steps),
         "steps": max(0, trainer.steps_done - options.warmup_steps),
         "interrupted": interrupted,
-        "median_ms": _round(percentile(step_ms, 50)),
-        "p10_ms": _round(percentile(step_ms, 10)),
-        "p90_ms": _round(percentile(step_ms, 90)),
-        "images_per_s": _round(len(timed) * spec.batch_size / window if window else math.nan),
-        "received_mb_per_s": _round(totals["received_bytes"] / 2**20 / wall_s if wall_s else 0.0),
-        "stall_pct": _round(100.0 * waited / busy if busy else math.nan),
-        "loss_first": _round(loss_first, 4),
-        "loss_last": _round(losses[-1] if losses else math.nan, 4),
-        "loss_finite": trainer.loss_finite if losses else False,
+        "median_ms": _round(final.median_ms if final else nan),
+        "p10_ms": _round(final.p10_ms if final else nan),
+        "p90_ms": _round(final.p90_ms if final else nan),
+        "images_per_s": _round(window.images_per_s if window else nan),
+        "received_mb_per_s": _round(window.received_mb_per_s if window else nan),
+        "stall_pct": _round(window.stall_pct if window else nan),
+        "loss_first": _round(_or_nan(trainer.loss_first), 4),
+        "loss_last": _round(_or_nan(trainer.loss_last), 4),
+        "loss_finite": trainer.loss_finite if trainer.loss_last is not None else False,
         "wall_s": round(wall_s, 3),
         "batches": {
-            "received": totals["received"],
-            "trained": totals["trained"],
-            "queued_at_stop": totals["enqueued"] - totals["trained"],
-            "not_enqueued": totals["received"] - totals["enqueued"],
-            "dropped": totals["dropped"],
-            "seq_missing": totals["seq_missing"],
+            "received": totals.received,
+            "trained": totals.trained,
+            "queued_at_stop": totals.enqueued - totals.trained,
+            "not_enqueued": totals.received - totals.enqueued,
+            "dropped": totals.dropped,
+            "seq_missing": totals.seq_missing,
         },
         "dropped_by_reason": trainer.ledger.drops_by_reason(),
         "refused_producers": trainer.ledger.refusals(),
@@ -62,6 +64,14 @@ def summarize(trainer: Trainer, wall_s: float, interrupted: bool) -> dict[str, A
         "producers": trainer.ledger.summary(),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if final is not None:
+        summary["advice"] = final.advice.text
+        summary["bottleneck"] = final.advice.kind
+    return summary
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 def _transport_line(s: dict[str, Any]) -> str:

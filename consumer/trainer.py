@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -17,15 +16,13 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import graph as feed_graph
 from stagefeed.consumer import malloc_policy, models
+from stagefeed.consumer.figures import RunFacts, RunReader
 from stagefeed.consumer.intake import Intake
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1
 
 WAIT_SLICE_S = 0.1
-# Step records kept for the summary's percentiles: the most recent ones, so memory stays
-# bounded on runs that never end (``--steps 0``).
-MAX_RECORDS = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +39,10 @@ class StepRecord:
 
 
 class StepObserver(Protocol):
-    def on_step(self, record: StepRecord, trainer: Trainer) -> None: ...
+    """Told of each step on the train loop (keep it short). Observers that need more than the
+    record are given the trainer's ``facts`` and ``reader``, never the trainer."""
+
+    def on_step(self, record: StepRecord) -> None: ...
 
 
 class Trainer:
@@ -51,7 +51,8 @@ class Trainer:
     Lifecycle: ``start()`` (build, bind, start threads) -> ``train(stop)`` -> ``close()``
     (idempotent; closes the queue so blocked enqueues return, joins threads, closes session).
     ``session`` is the user's between ``start()`` and ``close()``: to restore or save
-    variables (``tf.compat.v1.train.Saver``), or to run their own loop.
+    variables (``tf.compat.v1.train.Saver``), or to run their own loop. ``device``, ``facts``
+    and ``reader`` exist from construction on (``ConfigError`` if the device is missing).
     """
 
     def __init__(
@@ -70,10 +71,19 @@ class Trainer:
         self.consumed = 0  # dequeues issued: primed puts + steps
         self.steps_done = 0
         self.loss_first: float | None = None
+        self.loss_last: float | None = None
         self.loss_finite = True
         self.data_ended = False  # every producer signalled end of data, all of it trained
-        self.records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_RECORDS)
-        self.device = ""
+        self.device = feed_graph.pick_device(options.device)
+        self.facts = RunFacts(
+            device=self.device,
+            batch_size=self.schema.batch_size,
+            batch_bytes=self.schema.batch_bytes,
+            wire_dtype=self.schema.wire_dtype,
+            queue_capacity=options.queue_capacity,
+            steps_planned=options.steps + options.warmup_steps if options.steps else 0,
+        )
+        self.reader = RunReader(queue_batches=lambda: self.queue_batches, books=self.ledger.read)
         self.endpoint = ""
         self._configure_server = configure_server
         self.feed: feed_graph.FeedGraph | None = None
@@ -85,7 +95,6 @@ class Trainer:
         options = self.options
         if options.keep_freed_memory:
             malloc_policy.keep_freed_memory()
-        self.device = feed_graph.pick_device(options.device)
         model_fn, ref = self.model_fn, options.model
         if model_fn is None:
             kind, model_fn = models.resolve(ref)
@@ -131,10 +140,11 @@ class Trainer:
 
     def train(
         self, stop: threading.Event, health_check: Callable[[], None] | None = None
-    ) -> list[StepRecord]:
+    ) -> None:
         """Prime the staging area, then run warm-up and timed steps until done or ``stop``.
 
-        Returns the step records; raises ``ClosedError`` only if stopped before priming ended.
+        Each step's ``StepRecord`` goes to the observers (none is kept here); raises
+        ``ClosedError`` only if stopped before priming ended.
         """
         feed = self.feed
         assert feed is not None and self._intake is not None
@@ -171,15 +181,14 @@ class Trainer:
             record = StepRecord(
                 step, step > warmup, ready - started, done - ready, float(loss), queued, done
             )
-            self.records.append(record)
             if self.loss_first is None:
                 self.loss_first = record.loss
+            self.loss_last = record.loss
             if not math.isfinite(record.loss):
                 self.loss_finite = False
                 log.warning("step %d: loss is %s", step, record.loss)
             for observer in self.observers:
-                observer.on_step(record, self)
-        return list(self.records)
+                observer.on_step(record)
 
     def _wait_for_batch(self, stop: threading.Event, checks: list[Callable[[], None]]) -> bool:
         """True once a batch is queued; False when the data ended with none left to queue."""

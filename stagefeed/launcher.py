@@ -26,7 +26,7 @@ from stagefeed.common.paths import check_writable_dir, check_writable_file
 from stagefeed.producer.pool import ProducerPool, pool_check
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.monitor import Monitor, ObserveOptions
+    from stagefeed.consumer.monitor import FinalFigures, Monitor, ObserveOptions
     from stagefeed.consumer.trainer import Trainer
 
 log = logging.getLogger("stagefeed")
@@ -94,7 +94,7 @@ def observe_options(args: argparse.Namespace) -> ObserveOptions:
 
 def _start(monitor: Monitor, trainer: Trainer, shutdown: Shutdown) -> bool:
     """Start the monitor, then the trainer, unless a stop came first; True if both started."""
-    for step in (lambda: monitor.start(trainer), trainer.start):
+    for step in (lambda: monitor.start(trainer.facts, trainer.reader), trainer.start):
         if shutdown.stop.is_set():
             log.info("stopped during start-up")
             return False
@@ -136,15 +136,14 @@ def _finish(
     started: float,
     shutdown: Shutdown,
     json_path: str | None,
-    final: dict[str, Any],
+    final: FinalFigures | None,
     failure: BaseException | None,
 ) -> int:
     """Print and write the summary; the exit code: 3 if something failed, 1 if the JSON could
     not be written after all (the text summary is on stdout), else 0."""
     from stagefeed.consumer.summary import format_text, summarize, write_json
 
-    summary = summarize(trainer, time.monotonic() - started, interrupted=shutdown.by_signal)
-    summary.update(final)  # "advice" and "bottleneck" from the Monitor
+    summary = summarize(trainer, final, time.monotonic() - started, shutdown.by_signal)
     print(format_text(summary), flush=True)
     code = 0
     if json_path:

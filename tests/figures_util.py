@@ -6,16 +6,23 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from stagefeed.common.ledger import Books, ProducerTotals, Totals
 from stagefeed.consumer.figures import (
     Figures,
-    ProducerTotals,
+    RunFacts,
     Snapshot,
     StepTotals,
-    empty_snapshot,
     figures_between,
 )
 
 BATCH_BYTES = 2 * 227 * 227 * 3 * 4  # --batch-size 2, float32
+
+
+def facts(
+    batch_bytes: int = BATCH_BYTES, wire_dtype: str = "float32", capacity: int = 100
+) -> RunFacts:
+    """A trainer of batches of 2 on the CPU."""
+    return RunFacts("/cpu:0", 2, batch_bytes, wire_dtype, capacity)
 
 
 def window(
@@ -34,9 +41,17 @@ def window(
     wire_dtype: str = "float32",
     producer_capacity_per_s: float = float("nan"),
 ) -> Figures:
-    """Figures of a window of ``seconds`` in which ``per_producer`` batches were received."""
+    """Figures of a window of ``seconds`` in which ``per_producer`` batches were received.
+
+    Every producer named delivered one batch before the window, so each one counts as seen.
+    """
     per_producer = {"p0": 20} if per_producer is None else per_producer
-    received = sum(per_producer.values())
+    start = Snapshot(
+        at=1000.0,
+        steps=StepTotals(),
+        queue_batches=0,
+        books=_books({name: 1 for name in per_producer}, batch_bytes),
+    )
     end = Snapshot(
         at=1000.0 + seconds,
         steps=StepTotals(
@@ -49,13 +64,27 @@ def window(
             loss=6.9,
         ),
         queue_batches=queue_batches,
-        received=received,
-        received_bytes=received * batch_bytes,
-        seq_missing=seq_missing,
-        dropped=dict(dropped or {}),
-        producers={name: ProducerTotals(n, n, 0) for name, n in per_producer.items()},
+        books=_books(
+            {name: 1 + n for name, n in per_producer.items()}, batch_bytes, seq_missing, dropped
+        ),
     )
-    f = figures_between(empty_snapshot(1000.0), end, 2, batch_bytes, wire_dtype, capacity)
+    f = figures_between(start, end, facts(batch_bytes, wire_dtype, capacity))
     if not math.isnan(producer_capacity_per_s):
         f = dataclasses.replace(f, producer_capacity_per_s=producer_capacity_per_s)
     return f
+
+
+def _books(
+    received: dict[str, int],
+    batch_bytes: int,
+    seq_missing: int = 0,
+    dropped: dict[str, int] | None = None,
+) -> Books:
+    total = sum(received.values())
+    return Books(
+        totals=Totals(
+            received=total, received_bytes=total * batch_bytes, seq_missing=seq_missing
+        ),
+        producers={name: ProducerTotals(n, n, 0) for name, n in received.items()},
+        dropped=dict(dropped or {}),
+    )

@@ -1,4 +1,7 @@
-"""Figures: per-step counters, snapshots of a real (unstarted) trainer, and windows."""
+"""Figures: per-step counters, snapshots read through a ``RunReader`` of a real ledger, windows.
+
+No trainer: observers see a run only through ``RunFacts`` and a ``RunReader``.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +10,11 @@ import threading
 
 import pytest
 from stagefeed.common.errors import DropReason
-from stagefeed.common.options import TrainerOptions
+from stagefeed.common.ledger import Books, Ledger, ProducerTotals, Totals
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer.figures import (
-    ProducerTotals,
+    RunFacts,
+    RunReader,
     Snapshot,
     StepCounters,
     StepTotals,
@@ -18,9 +22,10 @@ from stagefeed.consumer.figures import (
     figures_between,
     take_snapshot,
 )
-from stagefeed.consumer.trainer import StepRecord, Trainer
+from stagefeed.consumer.trainer import StepRecord
 
 SPEC = image_schema(batch_size=2)
+FACTS = RunFacts("/cpu:0", 2, SPEC.batch_bytes, "float32", queue_capacity=10)
 
 
 def record(step: int, wait_s: float, step_s: float, queue: int, loss: float = 6.9) -> StepRecord:
@@ -61,11 +66,11 @@ def test_window_figures() -> None:
         at=100.0,
         steps=StepTotals(steps=10, last_step=10, wait_s=1.0, step_s=1.0, queue_sum=50),
         queue_batches=5,
-        received=30,
-        received_bytes=30 * SPEC.batch_bytes,
-        seq_missing=1,
-        dropped={"duplicate": 2},
-        producers={"a": ProducerTotals(30, 10, 1)},
+        books=Books(
+            totals=Totals(received=30, received_bytes=30 * SPEC.batch_bytes, seq_missing=1),
+            producers={"a": ProducerTotals(30, 10, 1)},
+            dropped={"duplicate": 2},
+        ),
     )
     b = Snapshot(
         at=104.0,
@@ -73,13 +78,17 @@ def test_window_figures() -> None:
             steps=30, last_step=30, wait_s=3.0, step_s=7.0, queue_sum=90, full_steps=5, loss=2.0
         ),
         queue_batches=7,
-        received=62,
-        received_bytes=62 * SPEC.batch_bytes,
-        seq_missing=1,
-        dropped={"duplicate": 2, "dtype": 3},
-        producers={"a": ProducerTotals(46, 20, 1), "b": ProducerTotals(16, 10, 0)},
+        books=Books(
+            totals=Totals(received=62, received_bytes=62 * SPEC.batch_bytes, seq_missing=1),
+            producers={
+                "a": ProducerTotals(46, 20, 1),
+                "b": ProducerTotals(16, 10, 0),
+                "hello-only": ProducerTotals(0, 0, 0),
+            },
+            dropped={"duplicate": 2, "dtype": 3},
+        ),
     )
-    f = figures_between(a, b, 2, SPEC.batch_bytes, "float32", 10)
+    f = figures_between(a, b, FACTS)
     assert f.seconds == pytest.approx(4.0)
     assert f.steps == 20 and f.last_step == 30
     assert f.stall_pct == pytest.approx(25.0)  # 2 s waited of 8 s
@@ -93,7 +102,9 @@ def test_window_figures() -> None:
     assert f.queue_mean_batches == pytest.approx(2.0)
     assert f.queue_full_pct == pytest.approx(25.0)
     assert f.queue_mb == pytest.approx(7 * SPEC.batch_bytes / 2**20)
-    assert f.producer_per_s == {"a": pytest.approx(4.0), "b": pytest.approx(4.0)}
+    assert f.queue_capacity == 10 and f.batch_size == 2 and f.wire_dtype == "float32"
+    assert f.producer_per_s == {"a": pytest.approx(4.0), "b": pytest.approx(4.0), "hello-only": 0}
+    # A connection that only said hello has delivered nothing: not seen, not active.
     assert (f.producers_seen, f.producers_active) == (2, 2)
     assert f.dropped == {"dtype": 3} and f.dropped_total == 3
     assert f.seq_missing == 0
@@ -103,8 +114,8 @@ def test_window_figures() -> None:
 
 def test_window_without_steps_has_no_step_figures() -> None:
     a = empty_snapshot(10.0)
-    b = Snapshot(at=12.0, steps=StepTotals(), queue_batches=3, received=3)
-    f = figures_between(a, b, 2, SPEC.batch_bytes, "float32", 10)
+    b = Snapshot(at=12.0, steps=StepTotals(), queue_batches=3, books=Books(Totals(received=3)))
+    f = figures_between(a, b, FACTS)
     assert f.steps == 0
     for value in (f.stall_pct, f.ms_per_step, f.consume_per_s, f.queue_full_pct):
         assert math.isnan(value)
@@ -112,11 +123,8 @@ def test_window_without_steps_has_no_step_figures() -> None:
     assert f.producers_active == 0
 
 
-def test_snapshot_reads_a_trainers_books() -> None:
-    options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, queue_mb=3)  # 2 batches
-    trainer = Trainer(options)  # not started: its ledger and counts are real, no session
-    assert options.queue_capacity == 2
-    ledger = trainer.ledger
+def test_snapshot_reads_the_books_and_the_queue_through_the_reader() -> None:
+    ledger = Ledger()
     a, b = ledger.open("prod-a"), ledger.open("prod-b")
     for seq in (0, 1, 3):
         ledger.accept(a, seq, SPEC.batch_bytes)
@@ -124,15 +132,20 @@ def test_snapshot_reads_a_trainers_books() -> None:
     ledger.accept(b, 0, SPEC.batch_bytes)  # duplicate
     ledger.drop(DropReason.HEADER_NOT_MSGPACK, "junk")
     ledger.trained([a], [0])
-    counters = StepCounters(options.queue_capacity)
+    fill = [1]
+    reader = RunReader(queue_batches=lambda: fill[0], books=ledger.read)
+    counters = StepCounters(queue_capacity=2)
     counters.add(record(1, 0.1, 0.2, queue=2))
-    snap = take_snapshot(counters, trainer)
+    snap = take_snapshot(counters, reader)
     assert snap.steps.steps == 1 and snap.steps.full_steps == 1
-    assert snap.queue_batches == 0  # not started: no intake, nothing queued
-    assert snap.received == 4 and snap.received_bytes == 4 * SPEC.batch_bytes
-    assert snap.seq_missing == 1  # prod-a: seq 2 never came
-    assert snap.dropped == {"duplicate": 1, "header_not_msgpack": 1}
-    assert snap.producers == {
+    assert snap.queue_batches == 1
+    assert snap.books == ledger.read()
+    assert snap.books.totals.received == 4
+    assert snap.books.totals.seq_missing == 1  # prod-a: seq 2 never came
+    assert snap.books.producers == {
         "prod-a": ProducerTotals(3, 1, 1),
         "prod-b": ProducerTotals(1, 0, 0),
     }
+    # A step's dequeue can let an enqueue finish before the loop counts it: clipped.
+    fill[0] = 3
+    assert take_snapshot(counters, reader).queue_batches == 2

@@ -78,7 +78,7 @@ class Rig:
         self.intake.check()
         drops = self.ledger.drops_by_reason()
         assert "internal" not in drops, drops
-        assert sum(drops.values()) + self.ledger.totals()["received"] <= self.sent
+        assert sum(drops.values()) + self.ledger.totals().received <= self.sent
 
 
 @pytest.fixture(scope="module")

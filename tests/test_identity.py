@@ -109,7 +109,7 @@ def books(r: Running) -> dict[str, dict]:
 
 def settle(r: Running, received: int) -> None:
     """Wait until the ledger has ``received`` valid batches and the recorder has them all."""
-    assert wait_for(lambda: r.ledger.totals()["received"] >= received, WAIT_S, interval=0.01)
+    assert wait_for(lambda: r.ledger.totals().received >= received, WAIT_S, interval=0.01)
     assert r.recorder.wait_count(received)
 
 

@@ -104,7 +104,7 @@ def test_hello_gets_the_schema_and_credit_then_batches_are_enqueued(intake):
     assert _wait(lambda: len(intake.recorder.got) == 2)
     replies = _replies(sock, lambda r: _credit(r) >= 2)
     assert _credit(replies) == 2  # one credit back per batch handled, no more
-    assert intake.ledger.totals()["enqueued"] == 2
+    assert intake.ledger.totals().enqueued == 2
     intake.check()
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import threading
 
 from stagefeed.common.errors import DropReason
-from stagefeed.common.ledger import MAX_SEQ_AHEAD, UNIDENTIFIED, Ledger
+from stagefeed.common.ledger import (
+    MAX_SEQ_AHEAD,
+    UNIDENTIFIED,
+    Ledger,
+    ProducerTotals,
+    Totals,
+)
 
 
 def test_accept_enqueue_train_accounting():
@@ -22,7 +28,7 @@ def test_accept_enqueue_train_accounting():
     assert summary["a"]["received"] == 2 and summary["a"]["trained"] == 1
     assert summary["a"]["queued_at_stop"] == 1
     assert summary["b"]["queued_at_stop"] == 0
-    assert ledger.totals()["received_bytes"] == 300
+    assert ledger.totals().received_bytes == 300
 
 
 def test_duplicate_is_dropped_under_its_connection():
@@ -97,7 +103,7 @@ def test_concurrent_accepts_are_all_booked():
         t.start()
     for t in threads:
         t.join()
-    assert ledger.totals()["received"] == 2000
+    assert ledger.totals().received == 2000
 
 
 def test_a_producer_carrying_on_after_a_cut_connection_shows_the_hole_as_missing():
@@ -108,7 +114,7 @@ def test_a_producer_carrying_on_after_a_cut_connection_shows_the_hole_as_missing
     second = ledger.open("p")  # the same producer, reconnected; seq 4 was lost on the wire
     for seq in range(5, 8):
         ledger.accept(second, seq, 1)
-    assert ledger.totals()["seq_missing"] == 1
+    assert ledger.totals().seq_missing == 1
     summary = ledger.summary()
     assert summary[f"p#{first}"]["seq_missing"] == 0 and summary[f"p#{second}"]["seq_missing"] == 1
 
@@ -140,3 +146,33 @@ def test_refused_hellos_are_logged_at_most_once_per_interval(caplog):
             ledger.refused(f"p{i}", "spec_mismatch", "images: ...")
     assert len([r for r in caplog.records if "refused producer" in r.message]) == 1
     assert ledger.refusals_by_reason() == {"spec_mismatch": 50}
+
+
+def test_read_gives_every_counter_typed_and_keyed_like_the_summary():
+    ledger = Ledger()
+    first, second, other = ledger.open("p"), ledger.open("p"), ledger.open("q")
+    for seq in (0, 1, 3):  # seq 2 never came
+        ledger.accept(first, seq, 10)
+    ledger.accept(second, 5, 10)  # the same producer reconnected: seq 4 lost between them
+    ledger.accept(other, 0, 10)
+    ledger.accept(other, 0, 10)  # duplicate
+    for index in (first, other):
+        ledger.enqueued(index)
+    ledger.trained([first], [0])
+    ledger.drop(DropReason.HEADER_NOT_MSGPACK, "junk")
+    ledger.peer_event("accepted")
+    ledger.refused("r", "spec_mismatch", "images: ...")
+    books = ledger.read()
+    assert books.totals == Totals(
+        received=5, received_bytes=50, enqueued=2, trained=1, dropped=2, seq_missing=2
+    )
+    assert books.totals == ledger.totals()
+    assert books.producers == {
+        f"p#{first}": ProducerTotals(received=3, trained=1, seq_missing=1),
+        f"p#{second}": ProducerTotals(received=1, trained=0, seq_missing=1),
+        "q": ProducerTotals(received=1, trained=0, seq_missing=0),
+    }
+    assert set(ledger.summary()) == set(books.producers) | {UNIDENTIFIED}
+    assert books.dropped == ledger.drops_by_reason() == {"duplicate": 1, "header_not_msgpack": 1}
+    assert books.peer_events == {"accepted": 1}
+    assert books.refused == {"spec_mismatch": 1}

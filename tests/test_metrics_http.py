@@ -11,18 +11,19 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import TrainerOptions
+from stagefeed.common.errors import ConfigError, DropReason
+from stagefeed.common.ledger import Ledger
 from stagefeed.common.schema import image_schema
-from stagefeed.consumer.figures import StepCounters, take_snapshot
+from stagefeed.consumer.figures import RunFacts, RunReader, StepCounters, take_snapshot
 from stagefeed.consumer.metrics_http import CLIENT_TIMEOUT_S, MAX_CLIENTS, MetricsServer
 from stagefeed.consumer.monitor import ObserveOptions
-from stagefeed.consumer.trainer import StepRecord, Trainer
+from stagefeed.consumer.trainer import StepRecord
 
 from stagefeed.cli import build_parser
 from tests.conftest import TINY, cli_env, free_tcp_port, run_cli, wait_for
 
 SPEC = image_schema(batch_size=2)
+FACTS = RunFacts("/gpu:0", 2, SPEC.batch_bytes, "float32", queue_capacity=20)
 
 
 def scrape(address: str) -> dict[tuple[str, tuple], float]:
@@ -123,33 +124,51 @@ def test_endpoint_moves_while_a_real_trainer_trains(start_cli, tmp_path) -> None
 
 def _served(
     port: int = 0, producer_labels: bool = False, host: str = "127.0.0.1"
-) -> tuple[MetricsServer, Trainer, StepCounters]:
-    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, queue_mb=24))
-    counters = StepCounters(trainer.options.queue_capacity)
+) -> tuple[MetricsServer, Ledger, StepCounters]:
+    """A server reading a real ledger and counters, the queue 3 batches full."""
+    ledger, counters = Ledger(), StepCounters(FACTS.queue_capacity)
+    reader = RunReader(queue_batches=lambda: 3, books=ledger.read)
     server = MetricsServer(
-        lambda: take_snapshot(counters, trainer), trainer, host, port, producer_labels
+        lambda: take_snapshot(counters, reader), FACTS, host, port, producer_labels
     )
-    return server.start(), trainer, counters
+    return server.start(), ledger, counters
 
 
-def _books(trainer: Trainer, counters: StepCounters) -> None:
-    """Two producers: prod-a delivers seq 0 and 2 (1 missing) and a duplicate; prod-b one."""
-    a, b = trainer.ledger.open("prod-a"), trainer.ledger.open("prod-b")
-    trainer.ledger.accept(a, 0, SPEC.batch_bytes)
-    trainer.ledger.accept(a, 2, SPEC.batch_bytes)
-    trainer.ledger.trained([a], [0])
-    trainer.ledger.accept(a, 2, SPEC.batch_bytes)  # duplicate
-    trainer.ledger.accept(b, 0, SPEC.batch_bytes)
+def _books(ledger: Ledger, counters: StepCounters) -> None:
+    """Two producers: prod-a delivers seq 0 and 2 (1 missing) and a duplicate; prod-b one;
+    prod-c only says hello. One message without a connection, two connection events and a
+    refused hello."""
+    a, b = ledger.open("prod-a"), ledger.open("prod-b")
+    ledger.open("prod-c")
+    ledger.accept(a, 0, SPEC.batch_bytes)
+    ledger.accept(a, 2, SPEC.batch_bytes)
+    ledger.trained([a], [0])
+    ledger.accept(a, 2, SPEC.batch_bytes)  # duplicate
+    ledger.accept(b, 0, SPEC.batch_bytes)
+    ledger.drop(DropReason.NO_HELLO, "junk")
+    ledger.peer_event("accepted")
+    ledger.peer_event("accepted")
+    ledger.refused("prod-x", "spec_mismatch", "images: ...")
     counters.add(StepRecord(1, True, 0.25, 0.5, 3.5, 0, 0.0))
 
 
 def test_scrape_reports_the_books_and_close_joins_the_threads() -> None:
-    server, trainer, counters = _served(producer_labels=True)
+    server, ledger, counters = _served(producer_labels=True)
     try:
-        _books(trainer, counters)
+        _books(ledger, counters)
         metrics = scrape(server.address)
     finally:
         server.close()
+    assert value(metrics, "stagefeed_info", device="/gpu:0", wire_dtype="float32",
+                 batch_size="2", queue_capacity="20") == 1  # fmt: skip
+    assert value(metrics, "stagefeed_queue_batches") == 3
+    assert value(metrics, "stagefeed_queue_bytes") == 3 * SPEC.batch_bytes
+    assert value(metrics, "stagefeed_queue_capacity_batches") == 20
+    assert value(metrics, "stagefeed_trained_images_total") == 2
+    assert value(metrics, "stagefeed_producers_seen") == 2  # prod-c delivered nothing
+    assert value(metrics, "stagefeed_dropped_messages_total", reason="no_hello") == 1
+    assert value(metrics, "stagefeed_connection_events_total", event="accepted") == 2
+    assert value(metrics, "stagefeed_refused_hellos_total", reason="spec_mismatch") == 1
     assert value(metrics, "stagefeed_steps_total") == 1
     assert value(metrics, "stagefeed_input_wait_seconds_total") == 0.25
     assert value(metrics, "stagefeed_step_compute_seconds_total") == 0.5
@@ -165,9 +184,9 @@ def test_scrape_reports_the_books_and_close_joins_the_threads() -> None:
 
 
 def test_producer_ids_are_absent_by_default_and_the_counters_aggregate() -> None:
-    server, trainer, counters = _served()
+    server, ledger, counters = _served()
     try:
-        _books(trainer, counters)
+        _books(ledger, counters)
         with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=5) as response:
             text = response.read().decode()
         metrics = scrape(server.address)
@@ -211,9 +230,9 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 
 
 def test_idle_connections_do_not_delay_a_scrape_and_are_cut_after_the_client_limit() -> None:
-    server, trainer, counters = _served()
+    server, ledger, counters = _served()
     try:
-        _books(trainer, counters)
+        _books(ledger, counters)
         idle = [_idle(server.address) for _ in range(2)]
         opened = time.monotonic()
         metrics = scrape(server.address)

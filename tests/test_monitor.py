@@ -1,7 +1,7 @@
 """Monitor: options checks, when it shows and advises, the final window, producer capacity.
 
-Driven with real ``StepRecord``s on a real (unstarted) ``Trainer``: its ledger and queue counts
-are the real ones, only no TensorFlow session runs.
+Driven with real ``StepRecord``s and a real ``Ledger``, seen through the ``RunFacts`` and
+``RunReader`` a trainer hands its monitor: no trainer, no TensorFlow session.
 """
 
 from __future__ import annotations
@@ -13,14 +13,20 @@ import time
 
 import pytest
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import image_schema
+from stagefeed.consumer.figures import RunFacts, RunReader
 from stagefeed.consumer.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
+from stagefeed.consumer.summary import format_text, summarize
 from stagefeed.consumer.trainer import StepRecord, Trainer
 
-from tests.figures_util import window
+from tests.figures_util import BATCH_BYTES, window
 
 SPEC = image_schema(batch_size=2)
+
+# --steps 3 --warmup-steps 2: five steps planned.
+FACTS = RunFacts("/cpu:0", 2, BATCH_BYTES, "float32", queue_capacity=20, steps_planned=5)
 
 
 @pytest.mark.parametrize(
@@ -43,29 +49,27 @@ def test_bad_options_name_the_value(field: str, value: object) -> None:
         ObserveOptions(**{field: value})
 
 
-def _trainer() -> Trainer:
-    return Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, steps=3, warmup_steps=2))
+def _started(options: ObserveOptions | None = None) -> tuple[Monitor, Ledger]:
+    ledger = Ledger()
+    monitor = Monitor(options or ObserveOptions(), stream=io.StringIO())
+    return monitor.start(FACTS, RunReader(lambda: 0, ledger.read)), ledger
 
 
-def _steps(monitor: Monitor, trainer: Trainer, specs: list[tuple[bool, float, float]]) -> None:
+def _steps(monitor: Monitor, ledger: Ledger, specs: list[tuple[bool, float, float]]) -> None:
     """Feed (timed, wait_s, step_s) steps, each ending ``wait_s + step_s`` after the last."""
     at = time.monotonic()
-    index = trainer.ledger.open("prod-a")
+    index = ledger.open("prod-a")
     for n, (timed, wait_s, step_s) in enumerate(specs, start=1):
-        trainer.ledger.accept(index, n, 100)
+        ledger.accept(index, n, 100)
         at += wait_s + step_s
-        record = StepRecord(n, timed, wait_s, step_s, 6.9, 0, at)
-        trainer.records.append(record)
-        monitor.on_step(record, trainer)
+        monitor.on_step(StepRecord(n, timed, wait_s, step_s, 6.9, 0, at))
 
 
 def test_progress_lines_and_advice_lines_when_due(caplog) -> None:
-    trainer = _trainer()
-    monitor = Monitor(ObserveOptions(progress_s=1.0, advice_s=2.0), stream=io.StringIO())
-    monitor.start(trainer)
+    monitor, ledger = _started(ObserveOptions(progress_s=1.0, advice_s=2.0))
     caplog.set_level(logging.INFO)
     # Steps 1.5 s apart (by their end times): a line each, advice every second step.
-    _steps(monitor, trainer, [(True, 1.0, 0.5)] * 4)
+    _steps(monitor, ledger, [(True, 1.0, 0.5)] * 4)
     progress = [r.message for r in caplog.records if r.name == "stagefeed.progress"]
     advice = [r.message for r in caplog.records if r.name == "stagefeed.monitor"]
     assert len(progress) == 4
@@ -76,34 +80,75 @@ def test_progress_lines_and_advice_lines_when_due(caplog) -> None:
     monitor.close()
 
 
-def test_final_window_starts_after_the_warm_up() -> None:
-    trainer = _trainer()
-    monitor = Monitor(ObserveOptions(), stream=io.StringIO()).start(trainer)
-    # Two slow warm-up steps that waited long, then three timed steps that never waited.
-    _steps(monitor, trainer, [(False, 5.0, 3.0)] * 2 + [(True, 0.0, 0.1)] * 3)
-    f = monitor.final_figures()
-    assert f.steps == 3
-    assert f.stall_pct == 0.0
-    assert f.compute_ms == pytest.approx(100.0)
+def test_final_figures_start_after_the_warm_up() -> None:
+    monitor, ledger = _started()
+    # Two slow warm-up steps that waited long, then three timed steps: 100, 200 and 400 ms.
+    _steps(monitor, ledger, [(False, 5.0, 3.0)] * 2 + [(True, 0.0, 0.1), (True, 0.1, 0.1),
+                                                      (True, 0.0, 0.4)])  # fmt: skip
     monitor.close()
-    assert set(monitor.final) == {"advice", "bottleneck"}
-    assert monitor.final["advice"].startswith(monitor.final["bottleneck"] + ": ")
+    final = monitor.final
+    assert final is not None
+    assert final.window.steps == 3 and final.window.last_step == 5
+    assert final.window.stall_pct == pytest.approx(100 * 0.1 / 0.7)
+    assert final.window.compute_ms == pytest.approx(200.0)
+    # numpy's linear interpolation over the timed steps only: [100, 200, 400].
+    assert final.median_ms == pytest.approx(200.0)
+    assert final.p10_ms == pytest.approx(120.0)
+    assert final.p90_ms == pytest.approx(360.0)
+    assert final.advice.text.startswith(final.advice.kind + ": ")
+    assert final.advice == monitor.advice(final.window)
     monitor.close()  # idempotent
+    assert monitor.final is final
 
 
-def test_final_window_falls_back_to_the_whole_run() -> None:
-    trainer = _trainer()
-    monitor = Monitor(ObserveOptions(), stream=io.StringIO()).start(trainer)
-    _steps(monitor, trainer, [(False, 1.0, 1.0)] * 2)  # stopped during warm-up
-    assert monitor.final_figures().steps == 2
+def test_without_warm_up_the_final_figures_start_after_the_first_step() -> None:
+    monitor, ledger = _started()
+    _steps(monitor, ledger, [(True, 2.0, 5.0), (True, 0.0, 0.1), (True, 0.0, 0.3)])
     monitor.close()
-    assert monitor.final["bottleneck"] == "input-bound"
+    assert monitor.final is not None
+    assert monitor.final.window.steps == 2 and monitor.final.window.stall_pct == 0.0
+    assert monitor.final.median_ms == pytest.approx(200.0)
+
+
+def test_final_figures_fall_back_to_the_whole_run() -> None:
+    monitor, ledger = _started()
+    _steps(monitor, ledger, [(False, 1.0, 1.0), (False, 1.0, 3.0)])  # stopped during warm-up
+    monitor.close()
+    assert monitor.final is not None
+    assert monitor.final.window.steps == 2
+    assert monitor.final.median_ms == pytest.approx(3000.0)
+    assert monitor.final.advice.kind == "input-bound"
 
 
 def test_a_monitor_never_started_closes_without_figures() -> None:
     monitor = Monitor(ObserveOptions(), stream=io.StringIO())
     monitor.close()
-    assert monitor.final == {}
+    assert monitor.final is None
+
+
+def test_the_summary_takes_the_final_figures_as_they_are() -> None:
+    monitor, ledger = _started()
+    index = ledger.open("prod-a")
+    _steps(monitor, ledger, [(False, 1.0, 1.0)] * 2 + [(True, 0.1, 0.2)] * 3)
+    for seq in range(100, 110):  # delivered after the warm-up: in the final window
+        ledger.accept(index, seq, BATCH_BYTES)
+    monitor.close()
+    final = monitor.final
+    assert final is not None and final.window.received_mb_per_s > 0
+    # The summary's own books are a trainer's (never started); its step figures are the
+    # monitor's.
+    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, steps=3))
+    summary = summarize(trainer, final, wall_s=10.0, interrupted=False)
+    assert summary["median_ms"] == summary["p10_ms"] == summary["p90_ms"] == 300.0
+    assert summary["stall_pct"] == round(final.window.stall_pct, 2) == 33.33
+    assert summary["images_per_s"] == round(final.window.images_per_s, 2)
+    assert summary["received_mb_per_s"] == round(final.window.received_mb_per_s, 2)
+    assert (summary["advice"], summary["bottleneck"]) == (final.advice.text, final.advice.kind)
+    assert "advice: " + final.advice.text in format_text(summary)
+
+    never = summarize(trainer, None, wall_s=1.0, interrupted=True)
+    assert never["median_ms"] is never["stall_pct"] is never["images_per_s"] is None
+    assert "advice" not in never and "bottleneck" not in never
 
 
 def test_producer_capacity_only_from_windows_with_room_in_the_queue() -> None:
@@ -120,10 +165,10 @@ def test_producer_capacity_only_from_windows_with_room_in_the_queue() -> None:
 
 
 def test_capacity_is_the_best_sample_so_far() -> None:
-    trainer = _trainer()
-    monitor = Monitor(ObserveOptions(), stream=io.StringIO()).start(trainer)
+    monitor, ledger = _started()
     assert math.isnan(monitor.capacity_per_s)
-    _steps(monitor, trainer, [(True, 0.5, 0.7)] * 3)  # windows >= 1 s: sampled
+    _steps(monitor, ledger, [(True, 0.5, 0.7)] * 3)  # windows >= 1 s: sampled
     assert monitor.capacity_per_s > 0
-    assert monitor.final_figures().producer_capacity_per_s == monitor.capacity_per_s
     monitor.close()
+    assert monitor.final is not None
+    assert monitor.final.window.producer_capacity_per_s == monitor.capacity_per_s

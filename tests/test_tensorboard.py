@@ -11,15 +11,23 @@ import threading
 import pytest
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import TrainerOptions
+from stagefeed.common.ledger import Ledger
 from stagefeed.common.schema import image_schema
-from stagefeed.consumer.figures import StepCounters, take_snapshot
+from stagefeed.consumer.figures import (
+    RunFacts,
+    RunReader,
+    StepCounters,
+    figures_between,
+    take_snapshot,
+)
 from stagefeed.consumer.monitor import Monitor, ObserveOptions
 from stagefeed.consumer.tensorboard import TensorBoardWriter
-from stagefeed.consumer.trainer import StepRecord, Trainer
+from stagefeed.consumer.trainer import StepRecord
 
 from tests.conftest import TINY, run_cli
 
+SPEC = image_schema(batch_size=2)
+FACTS = RunFacts("/cpu:0", 2, SPEC.batch_bytes, "float32", queue_capacity=20)
 STEP_TAGS = ("step/ms", "step/wait_ms", "step/compute_ms", "step/loss", "step/queue_batches")
 
 
@@ -95,18 +103,18 @@ def test_an_unusable_logdir_fails_at_start(tmp_path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monitor = Monitor(ObserveOptions(logdir=str(blocker / "tb")))
-    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=image_schema(batch_size=2)))
     with pytest.raises(ConfigError, match="cannot write TensorBoard logs to .*file/tb"):
-        monitor.start(trainer)
+        monitor.start(FACTS, RunReader(lambda: 0, Ledger().read))
     monitor.close()
 
 
 def test_close_writes_pending_steps_and_joins_the_thread(tmp_path) -> None:
-    trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=image_schema(batch_size=2)))
-    counters = StepCounters(trainer.options.queue_capacity)
-    monitor = Monitor(ObserveOptions()).start(trainer)
+    counters, reader = StepCounters(FACTS.queue_capacity), RunReader(lambda: 0, Ledger().read)
     writer = TensorBoardWriter(
-        str(tmp_path), lambda: take_snapshot(counters, trainer), monitor.figures, interval_s=60
+        str(tmp_path),
+        lambda: take_snapshot(counters, reader),
+        lambda a, b: figures_between(a, b, FACTS),
+        interval_s=60,
     ).start()
     assert any(t.name == "stagefeed-tensorboard" for t in threading.enumerate())
     for step in (1, 2, 3):
@@ -121,4 +129,3 @@ def test_close_writes_pending_steps_and_joins_the_thread(tmp_path) -> None:
     assert scalars["step/loss"] == {1: 6.0, 2: 5.0, 3: 4.0}
     assert scalars["input/stall_pct"][3] == pytest.approx(100 * 0.06 / 0.36, rel=1e-5)
     assert texts == {"advice": "balanced: test"}
-    monitor.close()
