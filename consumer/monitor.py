@@ -197,8 +197,7 @@ class Monitor:
 
     def _steps_planned(self) -> int:
         assert self._trainer is not None
-        opts = self._trainer.options
-        return opts.steps + opts.warmup_steps if opts.steps else 0
+        return self._trainer.options.total_steps
 
 
 def unthrottled_producer_rate(f: Figures, queue_at_start: int) -> float | None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.errors import EXIT_NON_FINITE, BrokenError, ClosedError, NonFiniteLoss
 from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
@@ -61,12 +61,14 @@ def _check_client_keys(options: ProducerOptions) -> None:
         client_configurator(options.curve_keys)
 
 
-def _check_outputs(json_path: str | None, logdir: str | None) -> None:
+def _check_outputs(json_path: str | None, logdir: str | None, save_dir: str | None) -> None:
     """Every path the trainer will write, tried now: not after an hour of training."""
     if json_path:
         check_writable_file("--json", json_path)
     if logdir:
         check_writable_dir("--logdir", logdir)
+    if save_dir:
+        check_writable_dir("--save", save_dir)
 
 
 def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | None:
@@ -105,13 +107,13 @@ def _start(monitor: Monitor, trainer: Trainer, shutdown: Shutdown) -> bool:
 def _train(
     trainer: Trainer, shutdown: Shutdown, health_check: Callable[[], None] | None = None
 ) -> BrokenError | None:
-    """Train until done or stopped; a failure (receive thread, producers) is returned, so
-    that the shutdown and the summary still happen."""
+    """Train until done or stopped; a failure (receive thread, producers, a non-finite loss)
+    is returned, so that the shutdown and the summary still happen."""
     try:
         trainer.train(shutdown.stop, health_check=health_check)
     except ClosedError as exc:
         log.info("stopped before training started: %s", exc)
-    except BrokenError as exc:
+    except (BrokenError, NonFiniteLoss) as exc:
         return exc
     return None
 
@@ -139,8 +141,9 @@ def _finish(
     final: dict[str, Any],
     failure: BaseException | None,
 ) -> int:
-    """Print and write the summary; the exit code: 3 if something failed, 1 if the JSON could
-    not be written after all (the text summary is on stdout), else 0."""
+    """Print and write the summary; the exit code: 4 if a non-finite loss stopped training, 3
+    if something failed, 1 if the JSON could not be written after all (the text summary is on
+    stdout), else 0."""
     from stagefeed.consumer.summary import format_text, summarize, write_json
 
     summary = summarize(trainer, time.monotonic() - started, interrupted=shutdown.by_signal)
@@ -156,7 +159,7 @@ def _finish(
             code = 1
     if failure is not None:
         log.error("%s", failure)
-        code = 3
+        code = EXIT_NON_FINITE if isinstance(failure, NonFiniteLoss) else 3
     return code
 
 
@@ -166,9 +169,9 @@ def train(
     observe: ObserveOptions,
     shutdown: Shutdown | None = None,
 ) -> int:
-    """Listen, train ``options.steps`` steps (or until a signal), print the summary."""
+    """Listen, train ``options.total_steps`` steps (or until a signal), print the summary."""
     shutdown = shutdown or Shutdown().install()
-    _check_outputs(json_path, observe.logdir)
+    _check_outputs(json_path, observe.logdir, options.save_dir)
     # TensorFlow loads here (seconds): a signal meanwhile takes effect once it has loaded.
     from stagefeed.consumer.monitor import Monitor
     from stagefeed.consumer.trainer import Trainer
@@ -205,7 +208,7 @@ def run_local(
     # Validate the producers' options before anything starts (endpoint filled in below).
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
     observe = observe_options(args)
-    _check_outputs(args.json, observe.logdir)
+    _check_outputs(args.json, observe.logdir, options.save_dir)
     from stagefeed.consumer.monitor import Monitor  # TensorFlow loads here (seconds)
     from stagefeed.consumer.trainer import Trainer
 
