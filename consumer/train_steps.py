@@ -96,6 +96,18 @@ class TrainerBase:
         """Batches in the FIFOQueue (lower bound; no TF call)."""
         raise NotImplementedError
 
+    def start(self) -> TrainerBase:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> TrainerBase:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def book_step(self, record: StepRecord) -> None:
         """Keep ``record``, show it to the observers, then apply the loss policy."""
         self.steps_done = record.step

@@ -182,8 +182,3 @@ class Trainer(TrainerBase):
         if self.session is not None:
             self.session.close()
 
-    def __enter__(self) -> Trainer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

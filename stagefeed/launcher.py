@@ -27,7 +27,7 @@ from stagefeed.producer.pool import ProducerPool, pool_check
 
 if TYPE_CHECKING:
     from stagefeed.consumer.monitor import Monitor, ObserveOptions
-    from stagefeed.consumer.trainer import Trainer
+    from stagefeed.consumer.train_steps import TrainerBase
 
 log = logging.getLogger("stagefeed")
 
@@ -94,7 +94,7 @@ def observe_options(args: argparse.Namespace) -> ObserveOptions:
     )
 
 
-def _start(monitor: Monitor, trainer: Trainer, shutdown: Shutdown) -> bool:
+def _start(monitor: Monitor, trainer: TrainerBase, shutdown: Shutdown) -> bool:
     """Start the monitor, then the trainer, unless a stop came first; True if both started."""
     for step in (lambda: monitor.start(trainer), trainer.start):
         if shutdown.stop.is_set():
@@ -105,7 +105,7 @@ def _start(monitor: Monitor, trainer: Trainer, shutdown: Shutdown) -> bool:
 
 
 def _train(
-    trainer: Trainer, shutdown: Shutdown, health_check: Callable[[], None] | None = None
+    trainer: TrainerBase, shutdown: Shutdown, health_check: Callable[[], None] | None = None
 ) -> BrokenError | None:
     """Train until done or stopped; a failure (receive thread, producers, a non-finite loss)
     is returned, so that the shutdown and the summary still happen."""
@@ -119,7 +119,7 @@ def _train(
 
 
 def _close(
-    shutdown: Shutdown, monitor: Monitor, trainer: Trainer, pool: ProducerPool | None = None
+    shutdown: Shutdown, monitor: Monitor, trainer: TrainerBase, pool: ProducerPool | None = None
 ) -> None:
     """Close everything, each step whatever the one before did."""
     shutdown.begin()  # from here on, a signal cuts the grace periods
@@ -134,7 +134,7 @@ def _close(
 
 
 def _finish(
-    trainer: Trainer,
+    trainer: TrainerBase,
     started: float,
     shutdown: Shutdown,
     json_path: str | None,
@@ -173,11 +173,11 @@ def train(
     shutdown = shutdown or Shutdown().install()
     _check_outputs(json_path, observe.logdir, options.save_dir)
     # TensorFlow loads here (seconds): a signal meanwhile takes effect once it has loaded.
+    from stagefeed.consumer import models
     from stagefeed.consumer.monitor import Monitor
-    from stagefeed.consumer.trainer import Trainer
 
     monitor = Monitor(observe)
-    trainer = Trainer(options, [monitor], _server_configurator(options))
+    trainer = models.trainer(options, [monitor], _server_configurator(options))
     started = time.monotonic()
     failure = None
     try:
@@ -209,11 +209,11 @@ def run_local(
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
     observe = observe_options(args)
     _check_outputs(args.json, observe.logdir, options.save_dir)
+    from stagefeed.consumer import models
     from stagefeed.consumer.monitor import Monitor  # TensorFlow loads here (seconds)
-    from stagefeed.consumer.trainer import Trainer
 
     monitor = Monitor(observe)
-    trainer = Trainer(options, [monitor], _server_configurator(options))
+    trainer = models.trainer(options, [monitor], _server_configurator(options))
     pool: ProducerPool | None = None
     failure: BaseException | None = None
     started = time.monotonic()

@@ -2,9 +2,9 @@
 
 Batches of 4 float32 feature rows and their targets (the row sums). Sources for
 ``--source tests.regression_models:NAME``; models for ``--model tests.regression_models:NAME``:
-a graph ``linear_fn`` and a Keras ``build``. ``nan_from_third`` sends NaN targets from its
-third batch on, so with one producer and one enqueue thread (batches trained in order) the
-loss is first non-finite at step 3.
+a graph ``linear_fn`` and a Keras ``build`` (and Keras builds that break the convention).
+``nan_from_third`` sends NaN targets from its third batch on, so with one producer and one
+enqueue thread (batches trained in order) the loss is first non-finite at step 3.
 """
 
 from __future__ import annotations
@@ -49,3 +49,43 @@ def linear_fn(staged, schema):
     predicted = tf.squeeze(staged["features"] @ w, 1)
     loss = tf.reduce_mean(tf.square(predicted - staged["targets"]))
     return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def _keras_model(name: str = "features", shape=(3,), dtype: str = "float32", compiled=True):
+    import keras
+
+    inputs = keras.Input(shape, name=name, dtype=dtype)
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs), name="linear")
+    if compiled:
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def build(schema):
+    """Keras: the same linear map, compiled; x is ``features``, y ``targets``."""
+    return _keras_model()
+
+
+# Keras builds that break the convention (docs/tf2.md), one way each.
+def not_a_model(schema):
+    return "a model"
+
+
+def uncompiled(schema):
+    return _keras_model(compiled=False)
+
+
+def wrong_name(schema):
+    return _keras_model(name="inputs")
+
+
+def wrong_shape(schema):
+    return _keras_model(shape=(4,))
+
+
+def wrong_dtype(schema):
+    return _keras_model(dtype="int32")
+
+
+def fails(schema):
+    raise RuntimeError("no GPU memory left")

@@ -1,4 +1,5 @@
-"""Graph mode from the CLI: epochs x steps per epoch, --save and checkpoints, and --on-nan.
+"""The CLI's run length and loss policy: epochs x steps per epoch, --save and checkpoints in
+graph mode, and a non-finite loss stopping graph mode and Keras alike.
 
 Real ``stagefeed run`` processes with one real producer process each, on the tiny regression
 of ``tests/regression_models.py``. The flag checks parse and build the options in this process
@@ -38,14 +39,22 @@ def test_a_bad_run_length_flag_is_refused_naming_it(flags, named):
         trainer_options(args, "tcp://127.0.0.1:*")
 
 
-def test_a_nan_loss_stops_the_run_with_exit_4_naming_the_step(tmp_path):
-    done = run_cli([*REGRESSION, *GRAPH, *NAN_SOURCE, "--steps", "20", "--save", str(tmp_path)])
+@pytest.mark.parametrize(
+    ("model", "saved"),
+    [("tests.regression_models:linear_fn", "model.ckpt.index"),
+     ("tests.regression_models:build", "model.keras")],  # fmt: skip
+    ids=["graph", "keras"],
+)
+def test_a_nan_loss_stops_the_run_with_exit_4_naming_the_step(tmp_path, model, saved):
+    done = run_cli(
+        [*REGRESSION, "--model", model, *NAN_SOURCE, "--steps", "20", "--save", str(tmp_path)]
+    )
     assert done.returncode == 4, done.stderr[-3000:]
     stopped = [line for line in done.stderr.splitlines() if "training stopped" in line]
     assert len(stopped) == 1 and "step 3: loss is nan" in stopped[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     assert "steps 3 timed" in done.stdout and "(finite: False)" in done.stdout
-    assert not (tmp_path / "model.ckpt.index").exists()  # non-finite weights are not saved
+    assert not (tmp_path / saved).exists()  # non-finite weights are not saved
 
 
 def test_warn_goes_on_for_every_epoch_and_saves_checkpoints_and_the_model(tmp_path):
