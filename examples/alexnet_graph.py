@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
-import tempfile
 import threading
 
 import numpy as np
@@ -31,6 +29,8 @@ from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer.trainer import Trainer
 from stagefeed.producer.pool import ProducerPool, pool_check
+
+from examples import run_in_directory
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +68,7 @@ def train(directory: str, steps: int = 6) -> Trained:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if len(sys.argv) > 1:
-        result = train(sys.argv[1])
-    else:
-        with tempfile.TemporaryDirectory() as directory:
-            result = train(directory)
+    result = run_in_directory(train)
     log.info("loss by step: %s", [round(v, 2) for v in result.losses])
     for name, books in result.books.items():
         log.info("%s: received %d, trained %d", name, books["received"], books["trained"])
