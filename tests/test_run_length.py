@@ -13,7 +13,7 @@ import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 
 from stagefeed.cli import build_parser, trainer_options
-from tests.conftest import run_cli
+from tests.conftest import cli_env, run_cli
 
 REGRESSION = [
     "run", "--schema", "tests.regression_models:SCHEMA", "--producers", "1",
@@ -71,3 +71,22 @@ def test_warn_goes_on_for_every_epoch_and_saves_checkpoints_and_the_model(tmp_pa
     assert checkpoints == ["model.ckpt-2.index", "model.ckpt-4.index", "model.ckpt-6.index"]
     reader = tf.train.load_checkpoint(str(tmp_path / "model.ckpt"))
     assert reader.get_variable_to_shape_map()["w"] == [3, 1]
+
+
+BANNER = ("cpu_feature_guard", "oneDNN custom operations", "absl::InitializeLog")
+
+
+def banner_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if any(b in line for b in BANNER)]
+
+
+def test_tensorflow_start_up_lines_are_off_by_default_and_once_at_most_when_asked_for():
+    quiet = {k: v for k, v in cli_env().items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    args = [*REGRESSION, *GRAPH, "--steps", "2", "--producers", "2"]
+    done = run_cli(args, env=quiet)
+    assert done.returncode == 0 and banner_lines(done.stderr) == [], done.stderr[-3000:]
+    # Asked for: TensorFlow's own lines, from the trainer only (producers never import it).
+    done = run_cli(args, env=cli_env(TF_CPP_MIN_LOG_LEVEL="0"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = banner_lines(done.stderr)
+    assert lines and len(lines) == len({b for b in BANNER for line in lines if b in line}), lines
