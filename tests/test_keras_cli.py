@@ -5,6 +5,8 @@ convention, refused at start naming the model."""
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 from stagefeed.common.errors import ConfigError
@@ -13,7 +15,7 @@ from stagefeed.consumer import models
 
 from examples import keras_images
 from tests import regression_models
-from tests.conftest import run_cli
+from tests.conftest import run_cli, wait_for
 
 IMAGES = [
     "run", "--schema", "examples.keras_images:SCHEMA", "--model", "examples.keras_images:build",
@@ -55,6 +57,15 @@ def test_warn_only_warns_and_a_finite_source_is_trained_to_its_last_batch():
     assert "steps 6 timed (+0 warm-up) - every producer's data ended" in done.stdout
     assert "(finite: False)" in done.stdout
     assert "received 6, trained 6, queued at stop 0," in done.stdout, done.stdout
+
+
+def test_sigint_stops_fit_while_it_waits_for_batches_and_the_summary_follows(start_cli):
+    run = start_cli([*IMAGES, "--steps", "0", "--rate", "4", "--progress-s", "0.5"], name="run")
+    assert wait_for(lambda: "step 4/-" in run.output(), 120), run.output()[-3000:]
+    run.signal(signal.SIGINT)  # fit is starved: its dequeue waits for the next batch
+    assert run.wait(30) == 0, run.output()[-3000:]
+    output = run.output()
+    assert "timed (+2 warm-up) - interrupted" in output and "Traceback" not in output
 
 
 @pytest.mark.parametrize(
