@@ -5,6 +5,7 @@ Two ways a component stops working, kept apart as in trio:
 - ``ClosedError``: *you* closed it (``close()`` was called, a stop was requested).
 - ``BrokenError``: something *outside* broke it (a peer, the OS, a dead process).
 
+``NonFiniteLoss`` stops training at a NaN or infinite loss (unless told only to warn).
 ``ConfigError`` is raised at start for a bad flag, option or environment value; its message
 names the offending value. ``ProtocolError`` is raised for a malformed message and carries the
 ``DropReason`` under which the message is counted.
@@ -29,6 +30,24 @@ class ClosedError(StagefeedError):
 
 class BrokenError(StagefeedError):
     """The component failed because of something outside it (peer, OS, child process)."""
+
+
+class NonFiniteLoss(StagefeedError):
+    """A train step's loss was NaN or infinite and ``on_nan`` is ``stop``: training stopped.
+
+    The command line exits with ``EXIT_NON_FINITE`` (4) after the summary; the message names
+    the step and the value.
+    """
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(
+            f"step {step}: loss is {loss}; training stopped (--on-nan warn only warns)"
+        )
+        self.step = step
+        self.loss = loss
+
+
+EXIT_NON_FINITE = 4
 
 
 class DropReason(enum.StrEnum):

@@ -20,6 +20,7 @@ DEVICES = ("auto", "cpu", "gpu")
 TRANSPORTS = ("zmq", "shm", "auto")
 UNIX_PATH_MAX = 107  # bytes of an AF_UNIX socket path (sun_path, less the terminating NUL)
 MIB = 2**20
+ON_NAN = ("stop", "warn")  # what a non-finite loss does: stop training (exit 4), or warn
 MAX_UNSENT = 64  # batches a producer holds at most, however small: credit bounds sends anyway
 
 
@@ -118,6 +119,15 @@ class TrainerOptions:
     transport: str = "zmq"  # "shm"/"auto": also map producers' pools (ZeroMQ batches still go)
     shm_socket: str | None = None  # where pools are offered; None: see consumer/shm_gate.py
     shm_producers: int = 1  # same-host producers the pools are sized for (docs/shm.md)
+    # How long a run is: ``steps_per_epoch`` > 0 makes it ``epochs x steps_per_epoch`` steps,
+    # warm-up included (``steps`` is then not used); else ``warmup_steps + steps`` in one epoch.
+    epochs: int = 1
+    steps_per_epoch: int = 0
+    save_dir: str | None = None  # what was trained is saved here at the end (docs/tf2.md)
+    checkpoint_every: int = 0  # steps between checkpoints under save_dir/checkpoints; 0: none
+    on_nan: str = "stop"  # a non-finite loss: "stop" (NonFiniteLoss) or "warn" and go on
+    # Keras models: the arrays fit gets as targets (y); None: every array that is not an input.
+    targets: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         check_endpoint("bind", self.bind)
@@ -162,6 +172,18 @@ class TrainerOptions:
             self.model == "alexnet" or re.fullmatch(r"[\w.]+:\w+", self.model)
         ):
             raise ConfigError(f"model must be 'alexnet' or module:NAME, got {self.model!r}")
+        self._check_run_length()
+        if self.on_nan not in ON_NAN:
+            raise ConfigError(f"on_nan must be one of {', '.join(ON_NAN)}, got {self.on_nan!r}")
+        if self.save_dir is not None and (not isinstance(self.save_dir, str) or not self.save_dir):
+            raise ConfigError(f"save_dir must name a directory, got {self.save_dir!r}")
+        if self.targets is not None:
+            missing = [t for t in self.targets if t not in self.schema.names]
+            if not self.targets or missing or isinstance(self.targets, str):
+                raise ConfigError(
+                    f"targets must be names of the schema's arrays {list(self.schema.names)}, "
+                    f"got {self.targets!r:.80}"
+                )
         if self.queue_mb * MIB < self.schema.batch_bytes:
             raise ConfigError(
                 f"queue_mb={self.queue_mb} holds no batch of "
@@ -172,6 +194,30 @@ class TrainerOptions:
                 f"max_message_mb={self.max_message_mb} is smaller than one batch and its header "
                 f"({(self.schema.batch_bytes + HEADER) / MIB:.3f} MiB)"
             )
+
+    def _check_run_length(self) -> None:
+        for name in ("epochs", "steps_per_epoch", "checkpoint_every"):
+            value = getattr(self, name)
+            if type(value) is not int or value < (1 if name == "epochs" else 0):
+                bound = ">= 1" if name == "epochs" else ">= 0"
+                raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
+        if self.epochs > 1 and not self.steps_per_epoch:
+            raise ConfigError(
+                f"epochs={self.epochs} needs steps_per_epoch: an epoch of an endless stream "
+                "has no end of its own"
+            )
+        if self.checkpoint_every and self.save_dir is None:
+            raise ConfigError(
+                f"checkpoint_every={self.checkpoint_every} needs save_dir: checkpoints go to "
+                "save_dir/checkpoints"
+            )
+
+    @property
+    def total_steps(self) -> int:
+        """Steps of the whole run, warm-up included; 0: until stopped or the data ends."""
+        if self.steps_per_epoch:
+            return self.epochs * self.steps_per_epoch
+        return self.warmup_steps + self.steps if self.steps else 0
 
     @property
     def queue_capacity(self) -> int:

@@ -11,18 +11,25 @@ Two kinds of model, told apart by the function's parameters:
   ``tf.data.Dataset``.
 
 Any failure (cannot import, not callable, wrong parameters, the model refuses the schema, an
-exception while building) is a ``ConfigError`` naming the model, raised before any producer
-is started.
+exception while building, a Keras model that does not fit the schema: ``consumer.keras_model``)
+is a ``ConfigError`` naming the model, raised before any producer is started. ``trainer()``
+makes the trainer of either kind; only the Keras kind imports Keras.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import excerpt, import_ref
+
+if TYPE_CHECKING:
+    from stagefeed.common.options import TrainerOptions
+    from stagefeed.consumer.keras_trainer import KerasTrainer
+    from stagefeed.consumer.train_steps import StepObserver
+    from stagefeed.consumer.trainer import Trainer
 
 DEFAULT_MODEL = "alexnet"
 GRAPH = "graph"
@@ -66,3 +73,20 @@ def building(ref: str, build: Callable[..., Any], *args: Any) -> Any:
         raise ConfigError(
             f"--model {ref!r} failed to build: {type(exc).__name__}: {excerpt(str(exc), 200)}"
         ) from None
+
+
+def trainer(
+    options: TrainerOptions,
+    observers: Sequence[StepObserver] = (),
+    configure_server: Callable[[Any], None] | None = None,
+) -> Trainer | KerasTrainer:
+    """The trainer for ``options.model``: graph mode for a ``model_fn``, ``model.fit`` for a
+    Keras ``build``. ``ConfigError`` if the model cannot be resolved (see ``resolve``)."""
+    kind, fn = resolve(options.model)
+    if kind == KERAS:
+        from stagefeed.consumer.keras_trainer import KerasTrainer
+
+        return KerasTrainer(options, observers, configure_server, build=fn)
+    from stagefeed.consumer.trainer import Trainer
+
+    return Trainer(options, observers, configure_server, model_fn=fn)

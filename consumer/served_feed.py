@@ -27,13 +27,16 @@ from stagefeed.consumer.intake import Intake
 
 
 class ServedFeed(Feed):
-    """A ``Feed`` bound on ``options.bind``; ``ledger`` holds the books, ``endpoint`` the
-    address producers connect to."""
+    """A ``Feed`` bound on ``options.bind``; ``ledger`` holds the books (a new one unless
+    given), ``endpoint`` the address producers connect to."""
 
     def __init__(
-        self, options: TrainerOptions, configure_server: Callable[[Any], None] | None = None
+        self,
+        options: TrainerOptions,
+        configure_server: Callable[[Any], None] | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
-        self.ledger = Ledger()
+        self.ledger = Ledger() if ledger is None else ledger
         super().__init__(
             options.schema,
             options.queue_capacity,

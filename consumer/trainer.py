@@ -1,23 +1,27 @@
-"""The trainer: receive pool + feeding graph + the train loop that measures its own stalls."""
+"""The graph-mode trainer: intake + feeding graph + the train loop that measures its own stalls.
+
+``StepRecord`` and ``StepObserver`` live in ``consumer.train_steps`` (shared with the Keras
+trainer) and are re-exported here, where observers have always imported them.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import tensorflow as tf
 from stagefeed.common.errors import ClosedError, ConfigError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import graph as feed_graph
 from stagefeed.consumer import malloc_policy, models
-from stagefeed.consumer.figures import RunFacts, RunReader
+from stagefeed.consumer.graph_saver import GraphSaver
 from stagefeed.consumer.intake import Intake
+from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase
+
+__all__ = ["StepObserver", "StepRecord", "Trainer"]
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1
@@ -25,34 +29,16 @@ v1 = tf.compat.v1
 WAIT_SLICE_S = 0.1
 
 
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One train step. ``wait_s``: time the step waited for a batch before it could run."""
-
-    step: int  # 1-based, warm-up steps included
-    timed: bool  # False for warm-up steps
-    wait_s: float
-    step_s: float
-    loss: float
-    queue_batches: int  # batches in the FIFOQueue when the step started
-    at: float  # time.monotonic() at the end of the step
-
-
-class StepObserver(Protocol):
-    """Told of each step on the train loop (keep it short). Observers that need more than the
-    record are given the trainer's ``facts`` and ``reader``, never the trainer."""
-
-    def on_step(self, record: StepRecord) -> None: ...
-
-
-class Trainer:
+class Trainer(TrainerBase):
     """Graph mode: owns the TF session, the intake and the books.
 
     Lifecycle: ``start()`` (build, bind, start threads) -> ``train(stop)`` -> ``close()``
     (idempotent; closes the queue so blocked enqueues return, joins threads, closes session).
     ``session`` is the user's between ``start()`` and ``close()``: to restore or save
-    variables (``tf.compat.v1.train.Saver``), or to run their own loop. ``device``, ``facts``
-    and ``reader`` exist from construction on (``ConfigError`` if the device is missing).
+    variables (``tf.compat.v1.train.Saver``), or to run their own loop. With
+    ``options.save_dir``, ``train`` checkpoints and saves itself (``consumer.graph_saver``).
+    ``device``, ``facts`` and ``reader`` exist from construction on (``ConfigError`` if the
+    device is missing).
     """
 
     def __init__(
@@ -62,33 +48,14 @@ class Trainer:
         configure_server: Callable[[Any], None] | None = None,
         model_fn: feed_graph.ModelFn | None = None,
     ) -> None:
-        self.options = options
-        self.schema = options.schema
+        device = feed_graph.pick_device(options.device)
+        super().__init__(options, observers, configure_server, device=device)
         # What a step does with the staged batch: given, or ``options.model`` (resolved at start).
         self.model_fn = model_fn
-        self.observers = list(observers)
-        self.ledger = Ledger()
         self.consumed = 0  # dequeues issued: primed puts + steps
-        self.steps_done = 0
-        self.loss_first: float | None = None
-        self.loss_last: float | None = None
-        self.loss_finite = True
-        self.data_ended = False  # every producer signalled end of data, all of it trained
-        self.device = feed_graph.pick_device(options.device)
-        self.facts = RunFacts(
-            device=self.device,
-            batch_size=self.schema.batch_size,
-            batch_bytes=self.schema.batch_bytes,
-            wire_dtype=self.schema.wire_dtype,
-            queue_capacity=options.queue_capacity,
-            steps_planned=options.steps + options.warmup_steps if options.steps else 0,
-        )
-        self.reader = RunReader(queue_batches=lambda: self.queue_batches, books=self.ledger.read)
-        self.endpoint = ""
-        self._configure_server = configure_server
         self.feed: feed_graph.FeedGraph | None = None
         self.session: Any = None
-        self._intake: Intake | None = None
+        self.saver: GraphSaver | None = None
         self._closed = False
 
     def start(self) -> Trainer:
@@ -104,6 +71,8 @@ class Trainer:
             ref, feed_graph.build, self.schema, options.queue_capacity, options.stage_depth,
             self.device, model_fn,
         )  # fmt: skip
+        if options.save_dir is not None:
+            self.saver = GraphSaver(self.feed.graph, options.save_dir, options.checkpoint_every)
         config = feed_graph.session_config(self.device)
         self.session = v1.Session(graph=self.feed.graph, config=config)
         with self.feed.graph.as_default():
@@ -119,19 +88,6 @@ class Trainer:
         return self
 
     @property
-    def transport(self) -> str:
-        """How batches reach this trainer: ``tcp``/``ipc`` (ZeroMQ), or ``shm+tcp``/``shm+ipc``
-        when it also maps producers' shared-memory pools (control over the ZeroMQ one)."""
-        scheme = self.endpoint.split("://", 1)[0] or "tcp"
-        shm = self._intake.shm if self._intake is not None else None
-        return scheme if shm is None else f"shm+{scheme}"
-
-    def shm_stats(self) -> dict[str, Any] | None:
-        """The pools' socket, sizing and counts (``consumer.shm_gate``); None without shm."""
-        shm = self._intake.shm if self._intake is not None else None
-        return None if shm is None else shm.stats()
-
-    @property
     def queue_batches(self) -> int:
         """Batches in the FIFOQueue (lower bound; no TF call)."""
         if self._intake is None:
@@ -143,8 +99,10 @@ class Trainer:
     ) -> None:
         """Prime the staging area, then run warm-up and timed steps until done or ``stop``.
 
-        Each step's ``StepRecord`` goes to the observers (none is kept here); raises
-        ``ClosedError`` only if stopped before priming ended.
+        Runs ``options.total_steps`` steps (0: until stopped or the data ended). Each step's
+        ``StepRecord`` goes to the observers (none is kept here); raises ``ClosedError`` only if
+        stopped before priming ended, and ``NonFiniteLoss`` at a non-finite loss under
+        ``on_nan="stop"`` (nothing is saved then).
         """
         feed = self.feed
         assert feed is not None and self._intake is not None
@@ -155,9 +113,9 @@ class Trainer:
             self.session.run(feed.put)
             self.consumed += 1
         log.info("staging area primed with %d batches", self.consumed)
-        warmup, steps = self.options.warmup_steps, self.options.steps
+        warmup, total = self.options.warmup_steps, self.options.total_steps
         step = 0
-        while not stop.is_set() and (steps == 0 or step < warmup + steps):
+        while not stop.is_set() and (total == 0 or step < total):
             queued = self.queue_batches
             started = time.monotonic()
             try:
@@ -176,19 +134,15 @@ class Trainer:
             done = time.monotonic()
             self.consumed += more
             step += 1
-            self.steps_done = step
             self.ledger.trained([peer], [seq])
-            record = StepRecord(
+            self.book_step(StepRecord(
                 step, step > warmup, ready - started, done - ready, float(loss), queued, done
-            )
-            if self.loss_first is None:
-                self.loss_first = record.loss
-            self.loss_last = record.loss
-            if not math.isfinite(record.loss):
-                self.loss_finite = False
-                log.warning("step %d: loss is %s", step, record.loss)
-            for observer in self.observers:
-                observer.on_step(record)
+            ))  # fmt: skip
+            self.epoch_ended(step)
+            if self.saver is not None:
+                self.saver.after_step(self.session, step)
+        if self.saver is not None:
+            self.saver.final(self.session, step)
 
     def _wait_for_batch(self, stop: threading.Event, checks: list[Callable[[], None]]) -> bool:
         """True once a batch is queued; False when the data ended with none left to queue."""
@@ -230,8 +184,3 @@ class Trainer:
         if self.session is not None:
             self.session.close()
 
-    def __enter__(self) -> Trainer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

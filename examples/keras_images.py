@@ -1,10 +1,15 @@
 """A small Keras CNN on 64x64x3 uint8 images, 10 classes, trained with ``model.fit`` from a feed.
 
 The images travel as uint8 (a quarter of float32's bytes); the schema declares the cast and
-scale, and the model's first layer (``feed.cast_layer``) applies them inside the step, on the
+scale, and the model's first layer (``cast_layer``) applies them inside the step, on the
 training device. The user's own generator stands in for producer processes.
 
     python -m examples.keras_images
+
+The same model and data from the command line, with real producer processes::
+
+    stagefeed run --schema examples.keras_images:SCHEMA --model examples.keras_images:build \
+        --source examples.keras_images:batches --epochs 3 --steps-per-epoch 20 --save out/
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import keras
 import numpy as np
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.feed import Feed
+from stagefeed.consumer.keras_feed import cast_layer
 
 from examples.filler import ThreadFiller
 
@@ -56,12 +62,22 @@ def batches(schema: Schema, worker) -> Iterator[dict[str, np.ndarray]]:
 
 def build_model(feed: Feed) -> keras.Model:
     """uint8 images in (as on the wire); cast and scale as the first layer of the model."""
-    inputs = keras.Input(SCHEMA["images"].shape, dtype="uint8", name="images")
-    x = feed.cast_layer("images")(inputs)
+    return build(feed.schema)
+
+
+def build(schema: Schema) -> keras.Model:
+    """The same model for the command line: ``--model examples.keras_images:build``.
+
+    Its input is named after the array it takes (``images``) and has its wire dtype, so the
+    feed hands it uint8 and the model casts; the other array, ``labels``, is the target.
+    """
+    images = schema["images"]
+    inputs = keras.Input(images.shape, dtype=images.dtype, name="images")
+    x = cast_layer(images)(inputs)
     x = keras.layers.Conv2D(8, 3, strides=2, activation="relu")(x)
     x = keras.layers.Conv2D(16, 3, strides=2, activation="relu")(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
-    outputs = keras.layers.Dense(CLASSES)(x)
+    outputs = keras.layers.Dense(schema["labels"].bounds[1])(x)
     model = keras.Model(inputs, outputs, name="small_cnn")
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),

@@ -11,13 +11,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
-import tempfile
 
 import keras
 import numpy as np
 
-from examples import keras_images
+from examples import keras_images, run_in_directory
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +41,7 @@ def save_and_reload(directory: str, steps_per_epoch: int = 4, epochs: int = 1) -
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if len(sys.argv) > 1:
-        result = save_and_reload(sys.argv[1])
-    else:
-        with tempfile.TemporaryDirectory() as directory:
-            result = save_and_reload(directory)
+    result = run_in_directory(save_and_reload)
     log.info(
         "%s reloaded: predictions equal %s (max difference %g)",
         result.path,

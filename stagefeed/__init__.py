@@ -2,7 +2,7 @@
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
 this package without TensorFlow: the trainer-side names (``Feed``, ``ServedFeed``,
-``Trainer``) are loaded on first
+``Trainer``, ``KerasTrainer``) are loaded on first
 use (PEP 562), and only they import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
@@ -20,6 +20,7 @@ from stagefeed.common.errors import (
     ClosedError,
     ConfigError,
     DropReason,
+    NonFiniteLoss,
     ProtocolError,
     StagefeedError,
 )
@@ -38,6 +39,7 @@ __version__ = "0.2.0"
 # Trainer-side names: imported (with TensorFlow) only when first used.
 _LAZY = {
     "Feed": "stagefeed.consumer.feed",
+    "KerasTrainer": "stagefeed.consumer.keras_trainer",
     "ServedFeed": "stagefeed.consumer.served_feed",
     "Trainer": "stagefeed.consumer.trainer",
 }
@@ -50,6 +52,8 @@ __all__ = [
     "DEFAULT_SCHEMA",
     "DropReason",
     "Feed",
+    "KerasTrainer",
+    "NonFiniteLoss",
     "ProducerOptions",
     "ProtocolError",
     "Schema",

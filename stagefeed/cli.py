@@ -17,7 +17,7 @@ from stagefeed import __version__, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
-from stagefeed.common.options import TRANSPORTS, ProducerOptions, TrainerOptions
+from stagefeed.common.options import ON_NAN, TRANSPORTS, ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema, image_schema, load_schema
 
 log = logging.getLogger("stagefeed")
@@ -81,11 +81,37 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g = p.add_argument_group("trainer")
     envflags.add(
         g, "--model", default="alexnet",
-        help="alexnet, or module:NAME: a graph model_fn(staged, schema) or build(schema)",
+        help="alexnet, or module:NAME: a graph model_fn(staged, schema), or build(schema) "
+        "returning a compiled Keras model (trained with model.fit)",
+    )  # fmt: skip
+    envflags.add(
+        g, "--targets", default=None,
+        help="Keras: comma-separated arrays fit gets as y (default: every array that is not "
+        "a model input)",
     )  # fmt: skip
     envflags.add(g, "--recv-threads", type=int, default=2, help="enqueue threads")
-    envflags.add(g, "--steps", type=int, default=steps, help="timed steps (0: until stopped)")
+    envflags.add(
+        g, "--steps", type=int, default=None, shown_default=str(steps),
+        help="timed steps (0: until stopped or the data ends)",
+    )  # fmt: skip
     envflags.add(g, "--warmup-steps", type=int, default=2, help="untimed steps before them")
+    envflags.add(
+        g, "--steps-per-epoch", type=int, default=0,
+        help="an epoch's steps; the run is --epochs x this, warm-up included (replaces --steps)",
+    )  # fmt: skip
+    envflags.add(g, "--epochs", type=int, default=1, help="epochs (> 1 needs --steps-per-epoch)")
+    envflags.add(
+        g, "--save", default=None,
+        help="save what was trained here at the end: model.keras (Keras) or model.ckpt (graph)",
+    )  # fmt: skip
+    envflags.add(
+        g, "--checkpoint-every", type=int, default=0,
+        help="steps between checkpoints in --save DIR/checkpoints (0: none)",
+    )  # fmt: skip
+    envflags.add(
+        g, "--on-nan", default="stop", choices=ON_NAN,
+        help="a NaN or infinite loss: stop training (exit code 4) or warn and go on",
+    )  # fmt: skip
     envflags.add(g, "--queue-mb", type=float, default=2048.0, help="FIFOQueue budget in MiB")
     envflags.add(g, "--stage-depth", type=int, default=2, help="batches staged on the device")
     envflags.add(g, "--device", default="auto", choices=("auto", "cpu", "gpu"), help="train on")
@@ -112,6 +138,7 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add_switch(
         g, "--return-freed-memory", help="let glibc unmap freed batches (slower: page faults)"
     )
+    p.set_defaults(default_steps=steps)
     envflags.add(g, "--shm-socket", default=None, help="where producers offer shared-memory pools")
     envflags.add(
         g, "--shm-producers", type=int, default=None,
@@ -151,13 +178,34 @@ def producer_options(args: argparse.Namespace, connect: str, workers: int) -> Pr
     )
 
 
+def _steps(args: argparse.Namespace) -> int:
+    """``--steps``, or the command's default; 0 (not used) with ``--steps-per-epoch``."""
+    if not args.steps_per_epoch:
+        return args.default_steps if args.steps is None else args.steps
+    if args.steps is not None:
+        raise ConfigError(
+            f"--steps {args.steps} with --steps-per-epoch {args.steps_per_epoch}: give one "
+            "(the run is --epochs x --steps-per-epoch steps)"
+        )
+    return 0
+
+
+def _targets(args: argparse.Namespace) -> tuple[str, ...] | None:
+    if args.targets is None:
+        return None
+    names = tuple(name.strip() for name in args.targets.split(","))
+    if not all(names):
+        raise ConfigError(f"--targets {args.targets!r}: names separated by commas")
+    return names
+
+
 def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
     return TrainerOptions(
         bind=bind,
         schema=schema_from(args),
         recv_threads=args.recv_threads,
         model=args.model,
-        steps=args.steps,
+        steps=_steps(args),
         warmup_steps=args.warmup_steps,
         queue_mb=args.queue_mb,
         stage_depth=args.stage_depth,
@@ -168,6 +216,12 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         transport=data_transport(args),
         shm_socket=args.shm_socket or _run_socket(args),
         shm_producers=args.shm_producers or getattr(args, "producers", 1),
+        epochs=args.epochs,
+        steps_per_epoch=args.steps_per_epoch,
+        save_dir=args.save,
+        checkpoint_every=args.checkpoint_every,
+        on_nan=args.on_nan,
+        targets=_targets(args),
     )
 
 

@@ -28,8 +28,13 @@ def add(
     default: Any = None,
     help: str = "",  # noqa: A002
     choices: Any = None,
+    shown_default: str | None = None,
 ) -> None:
-    """``parser.add_argument(flag, ...)`` whose default comes from the environment if set."""
+    """``parser.add_argument(flag, ...)`` whose default comes from the environment if set.
+
+    ``shown_default``: what the help says the default is, for a flag whose default is None so
+    that the command can tell whether it was given (``--steps`` against ``--steps-per-epoch``).
+    """
     name = env_name(flag)
     raw = os.environ.get(name)
     if raw is not None and raw != "":
@@ -44,7 +49,7 @@ def add(
         type=type,
         default=default,
         choices=choices,
-        help=f"{help} [env {name}; default: %(default)s]",
+        help=f"{help} [env {name}; default: {shown_default or '%(default)s'}]",
     )
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from stagefeed.common.errors import BrokenError, ClosedError
+from stagefeed.common.errors import EXIT_NON_FINITE, BrokenError, ClosedError, NonFiniteLoss
 from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
@@ -27,7 +27,7 @@ from stagefeed.producer.pool import ProducerPool, pool_check
 
 if TYPE_CHECKING:
     from stagefeed.consumer.monitor import FinalFigures, Monitor, ObserveOptions
-    from stagefeed.consumer.trainer import Trainer
+    from stagefeed.consumer.train_steps import TrainerBase
 
 log = logging.getLogger("stagefeed")
 
@@ -61,12 +61,14 @@ def _check_client_keys(options: ProducerOptions) -> None:
         client_configurator(options.curve_keys)
 
 
-def _check_outputs(json_path: str | None, logdir: str | None) -> None:
+def _check_outputs(json_path: str | None, logdir: str | None, save_dir: str | None) -> None:
     """Every path the trainer will write, tried now: not after an hour of training."""
     if json_path:
         check_writable_file("--json", json_path)
     if logdir:
         check_writable_dir("--logdir", logdir)
+    if save_dir:
+        check_writable_dir("--save", save_dir)
 
 
 def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | None:
@@ -92,7 +94,7 @@ def observe_options(args: argparse.Namespace) -> ObserveOptions:
     )
 
 
-def _start(monitor: Monitor, trainer: Trainer, shutdown: Shutdown) -> bool:
+def _start(monitor: Monitor, trainer: TrainerBase, shutdown: Shutdown) -> bool:
     """Start the monitor, then the trainer, unless a stop came first; True if both started."""
     for step in (lambda: monitor.start(trainer.facts, trainer.reader), trainer.start):
         if shutdown.stop.is_set():
@@ -103,21 +105,21 @@ def _start(monitor: Monitor, trainer: Trainer, shutdown: Shutdown) -> bool:
 
 
 def _train(
-    trainer: Trainer, shutdown: Shutdown, health_check: Callable[[], None] | None = None
+    trainer: TrainerBase, shutdown: Shutdown, health_check: Callable[[], None] | None = None
 ) -> BrokenError | None:
-    """Train until done or stopped; a failure (receive thread, producers) is returned, so
-    that the shutdown and the summary still happen."""
+    """Train until done or stopped; a failure (receive thread, producers, a non-finite loss)
+    is returned, so that the shutdown and the summary still happen."""
     try:
         trainer.train(shutdown.stop, health_check=health_check)
     except ClosedError as exc:
         log.info("stopped before training started: %s", exc)
-    except BrokenError as exc:
+    except (BrokenError, NonFiniteLoss) as exc:
         return exc
     return None
 
 
 def _close(
-    shutdown: Shutdown, monitor: Monitor, trainer: Trainer, pool: ProducerPool | None = None
+    shutdown: Shutdown, monitor: Monitor, trainer: TrainerBase, pool: ProducerPool | None = None
 ) -> None:
     """Close everything, each step whatever the one before did."""
     shutdown.begin()  # from here on, a signal cuts the grace periods
@@ -132,15 +134,16 @@ def _close(
 
 
 def _finish(
-    trainer: Trainer,
+    trainer: TrainerBase,
     started: float,
     shutdown: Shutdown,
     json_path: str | None,
     final: FinalFigures | None,
     failure: BaseException | None,
 ) -> int:
-    """Print and write the summary; the exit code: 3 if something failed, 1 if the JSON could
-    not be written after all (the text summary is on stdout), else 0."""
+    """Print and write the summary; the exit code: 4 if a non-finite loss stopped training, 3
+    if something failed, 1 if the JSON could not be written after all (the text summary is on
+    stdout), else 0."""
     from stagefeed.consumer.summary import format_text, summarize, write_json
 
     summary = summarize(trainer, final, time.monotonic() - started, shutdown.by_signal)
@@ -155,7 +158,7 @@ def _finish(
             code = 1
     if failure is not None:
         log.error("%s", failure)
-        code = 3
+        code = EXIT_NON_FINITE if isinstance(failure, NonFiniteLoss) else 3
     return code
 
 
@@ -165,15 +168,15 @@ def train(
     observe: ObserveOptions,
     shutdown: Shutdown | None = None,
 ) -> int:
-    """Listen, train ``options.steps`` steps (or until a signal), print the summary."""
+    """Listen, train ``options.total_steps`` steps (or until a signal), print the summary."""
     shutdown = shutdown or Shutdown().install()
-    _check_outputs(json_path, observe.logdir)
+    _check_outputs(json_path, observe.logdir, options.save_dir)
     # TensorFlow loads here (seconds): a signal meanwhile takes effect once it has loaded.
+    from stagefeed.consumer import models
     from stagefeed.consumer.monitor import Monitor
-    from stagefeed.consumer.trainer import Trainer
 
     monitor = Monitor(observe)
-    trainer = Trainer(options, [monitor], _server_configurator(options))
+    trainer = models.trainer(options, [monitor], _server_configurator(options))
     started = time.monotonic()
     failure = None
     try:
@@ -204,12 +207,12 @@ def run_local(
     # Validate the producers' options before anything starts (endpoint filled in below).
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
     observe = observe_options(args)
-    _check_outputs(args.json, observe.logdir)
+    _check_outputs(args.json, observe.logdir, options.save_dir)
+    from stagefeed.consumer import models
     from stagefeed.consumer.monitor import Monitor  # TensorFlow loads here (seconds)
-    from stagefeed.consumer.trainer import Trainer
 
     monitor = Monitor(observe)
-    trainer = Trainer(options, [monitor], _server_configurator(options))
+    trainer = models.trainer(options, [monitor], _server_configurator(options))
     pool: ProducerPool | None = None
     failure: BaseException | None = None
     started = time.monotonic()

@@ -1,4 +1,5 @@
-"""The TF 2 examples run, learn, keep exact books, and a saved model predicts the same."""
+"""The examples run, learn, keep exact books, and what they save restores the same: the TF 2
+ones (a, b, d) and the seed's AlexNet in graph mode (c)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from examples import custom_loop, keras_images, save_reload
+from examples import alexnet_graph, custom_loop, keras_images, save_reload
 from tests.conftest import REPO, cli_env
 
 
@@ -44,6 +45,14 @@ def test_save_reload_predicts_exactly_the_same(tmp_path):
     result = save_reload.save_and_reload(str(tmp_path), steps_per_epoch=3)
     assert os.path.getsize(result.path) > 0
     assert result.equal and result.max_difference == 0.0
+
+
+def test_alexnet_graph_trains_from_a_producer_process_and_its_checkpoint_restores(tmp_path):
+    result = alexnet_graph.train(str(tmp_path), steps=3)
+    assert len(result.losses) == 4 and all(math.isfinite(v) for v in result.losses)
+    (books,) = result.books.values()  # one producer process, every step's batch from it
+    assert books["trained"] == 4 and books["dropped"] == {}
+    assert result.restored_equal and (tmp_path / "model.ckpt.index").is_file()
 
 
 @pytest.mark.slow

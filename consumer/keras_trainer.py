@@ -1,0 +1,258 @@
+"""The Keras trainer: ``--model pkg.mod:build`` trained with ``model.fit`` on a ``ServedFeed``.
+
+Same contract as the graph-mode ``Trainer`` (``consumer.train_steps.TrainerBase``): the
+launcher, the monitor and the summary cannot tell them apart.
+
+Lifecycle: ``start()`` builds and checks the model (``consumer.keras_model``: a bad one is a
+``ConfigError`` before the feed binds), then binds the ``ServedFeed`` -> ``train(stop)`` runs
+``fit`` for ``options.total_steps`` steps (``epochs`` x ``steps_per_epoch``; 0: until
+stopped or the data ends) -> ``close()`` (idempotent: the feed stops granting credit, its
+queue closes, the intake's threads are joined).
+
+During ``fit``, callbacks on the training thread book each step (``FeedCallback``), turn it
+into a ``StepRecord`` for the observers and the loss policy, and write checkpoints. A named
+watcher thread, ``stagefeed-fit-watch``, does what a callback cannot while ``fit`` waits for
+a batch: on a stop request or a failed intake/producer check it sets ``model.stop_training``
+and closes the queue (the waiting dequeue returns, the dataset ends); once every producer's
+data ended (or, ``GONE_GRACE_S`` after, every producer process ended) it closes the queue so
+the queued tail is trained and ``fit`` ends. It is joined
+with a timeout when ``fit`` returns.
+
+Figures: a record's ``wait_s`` is the dequeue wait of the batches its step trained (the books'
+``input_wait``, docs/tf2.md "The stall figure"), at most the time since the previous step;
+``loss`` is what ``fit`` reports after the step, the epoch's running mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, NonFiniteLoss
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer import models
+from stagefeed.consumer.eager_queue import training_device
+from stagefeed.consumer.keras_model import check_model
+from stagefeed.consumer.served_feed import ServedFeed
+from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 0.1
+JOIN_TIMEOUT_S = 5.0
+# After every producer process ended without their data having ended (no ``end`` seen), how
+# long the batches they sent may take to reach the queue before it is closed.
+GONE_GRACE_S = 2.0
+FINAL = "model.keras"
+CHECKPOINTS = "checkpoints"
+
+
+class KerasTrainer(TrainerBase):
+    """``model.fit`` on batches from producers; ``model`` is the user's after ``start()``."""
+
+    def __init__(
+        self,
+        options: TrainerOptions,
+        observers: Sequence[StepObserver] = (),
+        configure_server: Callable[[Any], None] | None = None,
+        build: Callable[[Any], Any] | None = None,
+    ) -> None:
+        super().__init__(
+            options, observers, configure_server, device=training_device(options.device)
+        )
+        self.build = build
+        self.model: keras.Model | None = None
+        self.feed: ServedFeed | None = None
+        self._dataset: Any = None
+        self._queued = 0
+        self._failure: BaseException | None = None
+        self._closed = False
+
+    def start(self) -> KerasTrainer:
+        options, ref = self.options, self.options.model
+        build = self.build
+        if build is None:
+            kind, build = models.resolve(ref)
+            if kind != models.KERAS:
+                raise ConfigError(f"--model {ref!r} is a graph model_fn, not a Keras build")
+        model = models.building(ref, build, self.schema)
+        plan = check_model(ref, model, self.schema, options.targets)
+        self.model = model
+        self.feed = ServedFeed(options, self._configure_server, self.ledger)
+        self._intake = self.feed.intake
+        self.endpoint = self.feed.endpoint
+        assert self.feed.queue.device == self.device
+        self._dataset = self.feed.dataset(plan.mapping(), cast="step")
+        log.info(
+            "Keras model %s: x %s, y %s; fit on %s",
+            model.name, list(plan.inputs), list(plan.targets), self.device,
+        )  # fmt: skip
+        return self
+
+    @property
+    def queue_batches(self) -> int:
+        """Batches in the feed's queue after the last step (no TF call)."""
+        return self._queued
+
+    def train(
+        self, stop: threading.Event, health_check: Callable[[], None] | None = None
+    ) -> None:
+        """``fit`` until the run's steps are done, ``stop`` is set or the data ended.
+
+        Raises ``BrokenError`` if the intake or the producers failed and ``NonFiniteLoss`` at
+        a non-finite loss under ``on_nan="stop"`` (nothing is saved then).
+        """
+        assert self.feed is not None and self.model is not None
+        options = self.options
+        total = options.total_steps
+        watch = _Watch(self, stop, health_check).start()
+        steps = _Steps(self)
+        callbacks: list[keras.callbacks.Callback] = [self.feed.callback(), steps]
+        try:
+            with warnings.catch_warnings():  # the data ending inside an epoch is expected
+                warnings.filterwarnings("ignore", message=".*ran out of data")
+                self.model.fit(
+                    self._dataset,
+                    epochs=options.epochs if options.steps_per_epoch else 1,
+                    steps_per_epoch=(options.steps_per_epoch or total) or None,
+                    callbacks=callbacks,
+                    shuffle=False,  # a stream: producers decide the order
+                    verbose=0,
+                )
+        finally:
+            watch.close()
+        figures = self.feed.figures()
+        self._queued = figures.in_queue
+        if watch.data_ended and figures.queued == 0 and self._failure is None:
+            self.data_ended = True
+            log.info("every producer's data ended and every batch was trained")
+        if self._failure is not None:
+            raise self._failure
+        if options.save_dir is not None:
+            path = os.path.join(options.save_dir, FINAL)
+            self.model.save(path)
+            log.info("saved the model after %d steps: %s", self.steps_done, path)
+
+    def fail(self, failure: BaseException) -> None:
+        """Stop ``fit`` after the current step; ``train`` raises ``failure`` once it returned."""
+        if self._failure is None:
+            self._failure = failure
+        assert self.model is not None and self.feed is not None
+        self.model.stop_training = True
+        self.feed.queue.close()
+
+    def after_step(self, record: StepRecord, in_queue: int) -> None:
+        """(``fit``'s thread) book the step, apply the loss policy, checkpoint if due."""
+        self._queued = in_queue
+        try:
+            self.book_step(record)
+        except NonFiniteLoss as exc:
+            self.fail(exc)
+            return
+        step, every = record.step, self.options.checkpoint_every
+        self.epoch_ended(step)
+        if every and step % every == 0 and self.options.save_dir is not None:
+            assert self.model is not None
+            path = os.path.join(self.options.save_dir, CHECKPOINTS, f"step-{step:06d}.keras")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.model.save(path)
+            log.info("step %d: checkpoint %s", step, path)
+
+    def close(self) -> None:
+        """Idempotent: no more credit, the queue closes, the intake's threads are joined."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.feed is not None:
+            self.feed.close()
+
+
+
+class _Steps(keras.callbacks.Callback):
+    """After ``FeedCallback`` has booked a step: its ``StepRecord``, to the trainer."""
+
+    def __init__(self, trainer: KerasTrainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+        self._last_end = 0.0
+        self._wait_s = 0.0
+        self._queued = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._last_end = time.monotonic()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        trainer = self.trainer
+        assert trainer.feed is not None
+        now = time.monotonic()
+        figures = trainer.feed.books.figures()
+        elapsed = now - self._last_end
+        wait = min(max(figures.wait_s - self._wait_s, 0.0), elapsed)
+        step = figures.steps
+        loss = (logs or {}).get("loss")
+        record = StepRecord(
+            step, step > trainer.options.warmup_steps, wait, elapsed - wait,
+            math.nan if loss is None else float(loss), self._queued, now,
+        )  # fmt: skip
+        self._last_end, self._wait_s, self._queued = now, figures.wait_s, figures.in_queue
+        trainer.after_step(record, figures.in_queue)
+
+
+class _Watch:
+    """The thread ``stagefeed-fit-watch`` (see the module docstring); ``close()`` joins it."""
+
+    def __init__(
+        self, trainer: KerasTrainer, stop: threading.Event, health: Callable[[], None] | None
+    ) -> None:
+        self.trainer = trainer
+        self.stop = stop
+        self.health = health
+        self.data_ended = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stagefeed-fit-watch", daemon=True)
+
+    def start(self) -> _Watch:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        trainer = self.trainer
+        assert trainer.feed is not None and trainer.model is not None
+        checks = [trainer.feed.check] + ([self.health] if self.health else [])
+        gone_at: float | None = None  # when every producer process had ended
+        while not self._done.wait(WATCH_S):
+            if self.stop.is_set():
+                trainer.model.stop_training = True
+                trainer.feed.queue.close()
+                return
+            if trainer.feed.intake.data_ended():
+                self.data_ended = True
+                trainer.feed.queue.close()  # the queued tail is trained, then fit ends
+                return
+            if gone_at is not None:
+                if time.monotonic() - gone_at >= GONE_GRACE_S:
+                    trainer.feed.queue.close()
+                    return
+                continue  # their last batches may still be on their way into the queue
+            try:
+                for check in checks:
+                    check()
+            except ClosedError as exc:  # every producer ended: train what they delivered
+                log.info("%s: training what they delivered", exc)
+                gone_at = time.monotonic()
+            except BrokenError as exc:
+                trainer.fail(exc)
+                return
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.warning("thread %s did not end within %.0f s", self._thread.name, JOIN_TIMEOUT_S)

@@ -1,0 +1,148 @@
+"""What both trainer kinds share: step records, observers, the loss policy, run length.
+
+The graph-mode ``Trainer`` (``consumer.trainer``) and the Keras ``KerasTrainer``
+(``consumer.keras_trainer``) derive from ``TrainerBase``, so the summary, the monitor and the
+exporters read the same attributes from either: ``options``, ``schema``, ``ledger``,
+``steps_done``, ``loss_first``, ``loss_last``, ``loss_finite``, ``data_ended``, ``device``,
+``endpoint``, ``transport``, ``shm_stats()`` and ``queue_batches``. Observers are given only
+``facts`` and ``reader`` (``consumer.figures``), which exist from construction on.
+
+Every step goes through ``book_step`` on the training thread: the observers see the record
+(none is kept here), and then the loss policy applies. A NaN or infinite loss with
+``options.on_nan == "stop"`` raises ``NonFiniteLoss`` naming the step (the command line exits
+4 after the summary); with ``"warn"`` the first such step is logged and training goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from stagefeed.common.errors import NonFiniteLoss
+from stagefeed.common.ledger import Ledger
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer.figures import RunFacts, RunReader
+
+log = logging.getLogger("stagefeed.consumer.trainer")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One train step. ``wait_s``: time the step waited for a batch before it could run."""
+
+    step: int  # 1-based, warm-up steps included
+    timed: bool  # False for warm-up steps
+    wait_s: float
+    step_s: float
+    loss: float
+    queue_batches: int  # batches in the FIFOQueue when the step started
+    at: float  # time.monotonic() at the end of the step
+
+
+class StepObserver(Protocol):
+    """Told of each step on the train loop (keep it short). Observers that need more than the
+    record are given the trainer's ``facts`` and ``reader``, never the trainer."""
+
+    def on_step(self, record: StepRecord) -> None: ...
+
+
+class TrainerBase:
+    """The books of steps and losses; subclasses add the feed and the loop.
+
+    ``ledger`` is the books of batches, shared with the intake. ``_intake`` is set by the
+    subclass once it has started one (transport and shared-memory figures come from it).
+    """
+
+    def __init__(
+        self,
+        options: TrainerOptions,
+        observers: Sequence[StepObserver] = (),
+        configure_server: Callable[[Any], None] | None = None,
+        *,
+        device: str,
+    ) -> None:
+        self.options = options
+        self.schema = options.schema
+        self.observers = list(observers)
+        self.ledger = Ledger()
+        self.steps_done = 0
+        self.loss_first: float | None = None
+        self.loss_last: float | None = None
+        self.loss_finite = True
+        self.nonfinite_steps = 0
+        self.data_ended = False  # every producer signalled end of data, all of it trained
+        self.device = device
+        self.facts = RunFacts(
+            device=device,
+            batch_size=self.schema.batch_size,
+            batch_bytes=self.schema.batch_bytes,
+            wire_dtype=self.schema.wire_dtype,
+            queue_capacity=options.queue_capacity,
+            steps_planned=options.total_steps,
+        )
+        self.reader = RunReader(queue_batches=lambda: self.queue_batches, books=self.ledger.read)
+        self.endpoint = ""
+        self._configure_server = configure_server
+        self._intake: Any = None
+
+    @property
+    def transport(self) -> str:
+        """How batches reach this trainer: ``tcp``/``ipc`` (ZeroMQ), or ``shm+tcp``/``shm+ipc``
+        when it also maps producers' shared-memory pools (control over the ZeroMQ one)."""
+        scheme = self.endpoint.split("://", 1)[0] or "tcp"
+        shm = self._intake.shm if self._intake is not None else None
+        return scheme if shm is None else f"shm+{scheme}"
+
+    def shm_stats(self) -> dict[str, Any] | None:
+        """The pools' socket, sizing and counts (``consumer.shm_gate``); None without shm."""
+        shm = self._intake.shm if self._intake is not None else None
+        return None if shm is None else shm.stats()
+
+    @property
+    def queue_batches(self) -> int:
+        """Batches in the FIFOQueue (lower bound; no TF call)."""
+        raise NotImplementedError
+
+    def start(self) -> TrainerBase:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> TrainerBase:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def book_step(self, record: StepRecord) -> None:
+        """Show ``record`` to the observers, then apply the loss policy."""
+        self.steps_done = record.step
+        if self.loss_first is None:
+            self.loss_first = record.loss
+        self.loss_last = record.loss
+        finite = math.isfinite(record.loss)
+        if not finite:
+            self.loss_finite = False
+            self.nonfinite_steps += 1
+        for observer in self.observers:
+            observer.on_step(record)
+        if finite:
+            return
+        if self.options.on_nan == "stop":
+            raise NonFiniteLoss(record.step, record.loss)
+        if self.nonfinite_steps == 1:
+            log.warning(
+                "step %d: loss is %s; training goes on (--on-nan warn)", record.step, record.loss
+            )
+
+    def epoch_ended(self, step: int) -> bool:
+        """True if ``step`` (1-based) ends an epoch of ``options.steps_per_epoch``; logs it."""
+        per_epoch = self.options.steps_per_epoch
+        if not per_epoch or step % per_epoch:
+            return False
+        log.info("epoch %d/%d done (%d steps)", step // per_epoch, self.options.epochs, step)
+        return True

@@ -1,0 +1,91 @@
+"""A tiny regression for the CLI tests: ``--schema tests.regression_models:SCHEMA``.
+
+Batches of 4 float32 feature rows and their targets (the row sums). Sources for
+``--source tests.regression_models:NAME``; models for ``--model tests.regression_models:NAME``:
+a graph ``linear_fn`` and a Keras ``build`` (and Keras builds that break the convention).
+``nan_from_third`` sends NaN targets from its third batch on, so with one producer and one
+enqueue thread (batches trained in order) the loss is first non-finite at step 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+from stagefeed.common.schema import ArraySpec, Schema
+
+SCHEMA = Schema((ArraySpec("features", "float32", (3,)), ArraySpec("targets", "float32")), 4)
+FIRST_NAN_SEQ = 2  # the third batch: trained at step 3
+
+
+def _batches(worker, nan_from: int | None) -> Iterator[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(worker.seed)
+    seq = 0
+    while True:
+        features = rng.random((SCHEMA.batch_size, 3), dtype=np.float32)
+        targets = features.sum(axis=1)
+        if nan_from is not None and seq >= nan_from:
+            targets = np.full_like(targets, np.nan)
+        yield {"features": features, "targets": targets}
+        seq += 1
+
+
+def sums(schema, worker) -> Iterator[dict[str, np.ndarray]]:
+    """Endless batches whose targets are the feature rows' sums."""
+    return _batches(worker, None)
+
+
+def nan_from_third(schema, worker) -> Iterator[dict[str, np.ndarray]]:
+    """Like ``sums``, but every target from the third batch on is NaN."""
+    return _batches(worker, FIRST_NAN_SEQ)
+
+
+def linear_fn(staged, schema):
+    """Graph mode: a linear map fitted by SGD."""
+    import tensorflow as tf
+
+    v1 = tf.compat.v1
+    w = v1.get_variable("w", [3, 1], initializer=v1.zeros_initializer())
+    predicted = tf.squeeze(staged["features"] @ w, 1)
+    loss = tf.reduce_mean(tf.square(predicted - staged["targets"]))
+    return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def _keras_model(name: str = "features", shape=(3,), dtype: str = "float32", compiled=True):
+    import keras
+
+    inputs = keras.Input(shape, name=name, dtype=dtype)
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs), name="linear")
+    if compiled:
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def build(schema):
+    """Keras: the same linear map, compiled; x is ``features``, y ``targets``."""
+    return _keras_model()
+
+
+# Keras builds that break the convention (docs/tf2.md), one way each.
+def not_a_model(schema):
+    return "a model"
+
+
+def uncompiled(schema):
+    return _keras_model(compiled=False)
+
+
+def wrong_name(schema):
+    return _keras_model(name="inputs")
+
+
+def wrong_shape(schema):
+    return _keras_model(shape=(4,))
+
+
+def wrong_dtype(schema):
+    return _keras_model(dtype="int32")
+
+
+def fails(schema):
+    raise RuntimeError("no GPU memory left")

@@ -1,0 +1,110 @@
+"""``stagefeed run --model pkg.mod:build``: a compiled Keras model trained with ``model.fit`` on
+batches from a real producer process, with epochs, --save, checkpoints and --on-nan warn
+(the stop is in tests/test_run_length.py); and every way a Keras build can break the
+convention, refused at start naming the model."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer import models
+
+from examples import keras_images
+from tests import regression_models
+from tests.conftest import run_cli, wait_for
+
+IMAGES = [
+    "run", "--schema", "examples.keras_images:SCHEMA", "--model", "examples.keras_images:build",
+    "--source", "examples.keras_images:batches", "--producers", "1",
+]  # fmt: skip
+REGRESSION = [
+    "run", "--schema", "tests.regression_models:SCHEMA", "--model", "tests.regression_models:build",
+    "--source", "tests.regression_models:nan_from_third", "--producers", "1", "--recv-threads",
+    "1", "--warmup-steps", "0",
+]  # fmt: skip
+
+
+def test_fit_runs_epochs_times_steps_saves_a_model_that_reloads_and_checkpoints(tmp_path):
+    import keras
+
+    done = run_cli([
+        *IMAGES, "--epochs", "2", "--steps-per-epoch", "4", "--save", str(tmp_path),
+        "--checkpoint-every", "4",
+    ])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "epoch 2/2 done (8 steps)" in done.stderr
+    assert "steps 6 timed (+2 warm-up)" in done.stdout, done.stdout
+    assert "trained 8," in done.stdout and "dropped 0," in done.stdout
+    assert "stall " in done.stdout and "(finite: True)" in done.stdout
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["step-000004.keras", "step-000008.keras"]
+    model = keras.models.load_model(tmp_path / "model.keras")
+    last = keras.models.load_model(tmp_path / "checkpoints" / "step-000008.keras")
+    images = next(keras_images.user_batches(seed=1))["images"]
+    predicted = np.asarray(model.predict(images, verbose=0))
+    assert predicted.shape == (16, keras_images.CLASSES) and np.isfinite(predicted).all()
+    assert np.array_equal(predicted, np.asarray(last.predict(images, verbose=0)))
+
+
+def test_warn_only_warns_and_a_finite_source_is_trained_to_its_last_batch():
+    done = run_cli([*REGRESSION, "--on-nan", "warn", "--steps", "0", "--max-batches", "6"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 3: loss is nan; training goes on (--on-nan warn)" in done.stderr
+    assert "steps 6 timed (+0 warm-up) - every producer's data ended" in done.stdout
+    assert "(finite: False)" in done.stdout
+    assert "received 6, trained 6, queued at stop 0," in done.stdout, done.stdout
+
+
+def test_sigint_stops_fit_while_it_waits_for_batches_and_the_summary_follows(start_cli):
+    run = start_cli([*IMAGES, "--steps", "0", "--rate", "4", "--progress-s", "0.5"], name="run")
+    assert wait_for(lambda: "step 4/-" in run.output(), 120), run.output()[-3000:]
+    run.signal(signal.SIGINT)  # fit is starved: its dequeue waits for the next batch
+    assert run.wait(30) == 0, run.output()[-3000:]
+    output = run.output()
+    assert "timed (+2 warm-up) - interrupted" in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        ("tests.regression_models:nope", "has no 'nope'"),
+        ("tests.no_such_module:build", "no_such_module"),
+        ("tests.regression_models:not_a_model", "returned a str, not a keras.Model"),
+        ("tests.regression_models:uncompiled", "not compiled with a loss"),
+        ("tests.regression_models:wrong_name", "input 'inputs' is not an array of the schema"),
+        ("tests.regression_models:wrong_shape", "has shape [None, 4], the array is [4, 3]"),
+        ("tests.regression_models:wrong_dtype", "input 'features' is int32"),
+        ("tests.regression_models:fails", "failed to build: RuntimeError: 'no GPU memory left'"),
+    ],
+)
+def test_a_keras_build_that_breaks_the_convention_is_refused_before_binding(build, named):
+    options = TrainerOptions(
+        bind="tcp://127.0.0.1:*", schema=regression_models.SCHEMA, model=build, queue_mb=1
+    )
+    with pytest.raises(ConfigError) as refused:
+        models.trainer(options).start()
+    message = str(refused.value)
+    assert message.startswith(f"--model {build!r}"), message
+    assert named in message and "\n" not in message, message
+
+
+def test_targets_must_match_the_outputs():
+    options = TrainerOptions(
+        bind="tcp://127.0.0.1:*", schema=regression_models.SCHEMA,
+        model="tests.regression_models:build", queue_mb=1, targets=("targets", "features"),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="cannot be both an input and a target"):
+        models.trainer(options).start()
+
+
+def test_a_bad_model_on_the_command_line_is_one_line_and_exit_2_before_any_producer():
+    done = run_cli([*REGRESSION, "--model", "tests.regression_models:wrong_shape"])
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("stagefeed: error: --model 'tests.regression_models:wrong_shape'")
+    assert "Traceback" not in done.stderr and "producers ->" not in done.stderr
+    assert "stagefeed-producer" not in done.stderr and done.stdout == ""

@@ -1,0 +1,92 @@
+"""The CLI's run length and loss policy: epochs x steps per epoch, --save and checkpoints in
+graph mode, and a non-finite loss stopping graph mode and Keras alike.
+
+Real ``stagefeed run`` processes with one real producer process each, on the tiny regression
+of ``tests/regression_models.py``. The flag checks parse and build the options in this process
+(``main`` turns their ``ConfigError`` into one line and exit code 2, as for every flag).
+"""
+
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+from stagefeed.common.errors import ConfigError
+
+from stagefeed.cli import build_parser, trainer_options
+from tests.conftest import cli_env, run_cli
+
+REGRESSION = [
+    "run", "--schema", "tests.regression_models:SCHEMA", "--producers", "1",
+    "--recv-threads", "1", "--warmup-steps", "0",
+]  # fmt: skip
+GRAPH = ["--model", "tests.regression_models:linear_fn"]
+NAN_SOURCE = ["--source", "tests.regression_models:nan_from_third"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--epochs", "2"], "epochs=2 needs steps_per_epoch"),
+        (["--steps", "5", "--steps-per-epoch", "2"], "--steps 5 with --steps-per-epoch 2"),
+        (["--checkpoint-every", "2"], "checkpoint_every=2 needs save_dir"),
+        (["--steps-per-epoch", "-1"], "steps_per_epoch must be an integer >= 0, got -1"),
+        (["--targets", "features,nope"], "targets must be names of the schema's arrays"),
+    ],
+)
+def test_a_bad_run_length_flag_is_refused_naming_it(flags, named):
+    args = build_parser().parse_args([*REGRESSION, *GRAPH, *flags])
+    with pytest.raises(ConfigError, match=named):
+        trainer_options(args, "tcp://127.0.0.1:*")
+
+
+@pytest.mark.parametrize(
+    ("model", "saved"),
+    [("tests.regression_models:linear_fn", "model.ckpt.index"),
+     ("tests.regression_models:build", "model.keras")],  # fmt: skip
+    ids=["graph", "keras"],
+)
+def test_a_nan_loss_stops_the_run_with_exit_4_naming_the_step(tmp_path, model, saved):
+    done = run_cli(
+        [*REGRESSION, "--model", model, *NAN_SOURCE, "--steps", "20", "--save", str(tmp_path)]
+    )
+    assert done.returncode == 4, done.stderr[-3000:]
+    stopped = [line for line in done.stderr.splitlines() if "training stopped" in line]
+    assert len(stopped) == 1 and "step 3: loss is nan" in stopped[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert "steps 3 timed" in done.stdout and "(finite: False)" in done.stdout
+    assert not (tmp_path / saved).exists()  # non-finite weights are not saved
+
+
+def test_warn_goes_on_for_every_epoch_and_saves_checkpoints_and_the_model(tmp_path):
+    done = run_cli([
+        *REGRESSION, *GRAPH, *NAN_SOURCE, "--on-nan", "warn", "--epochs", "2",
+        "--steps-per-epoch", "3", "--save", str(tmp_path), "--checkpoint-every", "2",
+    ])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 3: loss is nan; training goes on" in done.stderr
+    assert "epoch 2/2 done (6 steps)" in done.stderr
+    assert "steps 6 timed (+0 warm-up)" in done.stdout
+    assert "batches received" in done.stdout and "trained 6," in done.stdout
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.index"))
+    assert checkpoints == ["model.ckpt-2.index", "model.ckpt-4.index", "model.ckpt-6.index"]
+    reader = tf.train.load_checkpoint(str(tmp_path / "model.ckpt"))
+    assert reader.get_variable_to_shape_map()["w"] == [3, 1]
+
+
+BANNER = ("cpu_feature_guard", "oneDNN custom operations", "absl::InitializeLog")
+
+
+def banner_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if any(b in line for b in BANNER)]
+
+
+def test_tensorflow_start_up_lines_are_off_by_default_and_once_at_most_when_asked_for():
+    quiet = {k: v for k, v in cli_env().items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    args = [*REGRESSION, *GRAPH, "--steps", "2", "--producers", "2"]
+    done = run_cli(args, env=quiet)
+    assert done.returncode == 0 and banner_lines(done.stderr) == [], done.stderr[-3000:]
+    # Asked for: TensorFlow's own lines, from the trainer only (producers never import it).
+    done = run_cli(args, env=cli_env(TF_CPP_MIN_LOG_LEVEL="0"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = banner_lines(done.stderr)
+    assert lines and len(lines) == len({b for b in BANNER for line in lines if b in line}), lines
