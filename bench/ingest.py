@@ -4,9 +4,9 @@ The trainer is the real one (``consumer.trainer.Trainer`` with its intake, FIFOQ
 StagingArea) with ``trivial_model_fn`` as its model, so a step costs almost nothing and the
 step rate is the delivery rate. Each measurement is reported next to raw pyzmq for the same
 messages, transport and sender count, measured just before or after it (the order
-alternates), and next to single-core memcpy. ``shm`` (batches in shared-memory slots, the
-producers copying the synthetic batch into each slot, control over ipc) has no raw pyzmq of
-its own: its peer is raw pyzmq over tcp, the transport it replaces.
+alternates), and next to single-core memcpy, measured after each pair. ``shm`` (batches in
+shared-memory slots, the producers copying the synthetic batch into each slot, control over
+ipc) has no raw pyzmq of its own: its peer is raw pyzmq over tcp, the transport it replaces.
 
 Each timed window also gives the feed path's CPU, in core-ms per batch (psutil; None without
 it): the producer processes, and the trainer's intake, enqueue and pool threads and ZeroMQ's
@@ -223,9 +223,12 @@ def _compare(
     stop: threading.Event,
     log_level: int,
 ) -> dict[str, Any]:
-    """Raw pyzmq and stagefeed, ``config.repeats`` times each in alternating order; medians."""
+    """Raw pyzmq and stagefeed, ``config.repeats`` times each in alternating order, with a
+    memcpy measurement after each pair (load on a shared machine changes within minutes, so
+    every peer is measured next to the row it is compared with); medians."""
     count = config.batches_for(schema["images"].dtype)
     samples: dict[str, list[dict[str, Any]]] = {"raw": [], "stagefeed": []}
+    memcpy: list[dict[str, Any]] = []
     for repeat in range(config.repeats):
         raw_now = raw_first == (repeat % 2 == 0)
         for which in ("raw", "stagefeed") if raw_now else ("stagefeed", "raw"):
@@ -240,7 +243,13 @@ def _compare(
                         schema, producers, transport, count, config.device, stop, log_level, fill
                     )
                 )
-    result: dict[str, Any] = {}
+        memcpy.append(measure_memcpy(schema, config.memcpy_repeats))
+    result: dict[str, Any] = {
+        "memcpy": {
+            "gb_per_s": round(statistics.median(m["gb_per_s"] for m in memcpy), 3),
+            "samples": memcpy,
+        }
+    }
     for which, runs in samples.items():
         cpu = [r["core_ms_per_batch"] for r in runs if r.get("core_ms_per_batch") is not None]
         result[which] = {
@@ -260,7 +269,6 @@ def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str,
     stop = threading.Event()
     restore = on_stop_signals(lambda _sig: stop.set())
     runs: list[dict[str, Any]] = []
-    memcpy: dict[str, Any] = {}
     started = time.monotonic()
     try:
         combos = itertools.product(config.dtypes, config.variants(), config.producers)
@@ -268,8 +276,6 @@ def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str,
             if stop.is_set():
                 raise ClosedError("stop requested")
             schema = config.schema(dtype)
-            if dtype not in memcpy:
-                memcpy[dtype] = measure_memcpy(schema, config.memcpy_repeats)
             run: dict[str, Any] = {
                 "dtype": dtype,
                 "batch_mb": round(schema.batch_bytes / 1e6, 2),
@@ -312,6 +318,5 @@ def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str,
         },
         "machine": conditions,
         "tensorflow": tf.__version__,
-        "memcpy": memcpy,
         "runs": runs,
     }

@@ -102,7 +102,7 @@ def ingest_table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["runs"]:
-        memcpy = report["memcpy"][row["dtype"]]["gb_per_s"]
+        memcpy = row["memcpy"]["gb_per_s"]
         fed = row["stagefeed"]["gb_per_s"]
         of_memcpy = round(fed / memcpy, 3) if fed and memcpy else None
         raw_over = row.get("raw_transport", row["transport"])
