@@ -180,6 +180,9 @@ class _Server(HTTPServer):
             daemon=True,
         )
         with self._lock:
+            # A thread stays in the set until it has ended (pruned here), so ``close()`` joins
+            # every one still running, also one in its last instructions.
+            self._client_threads = {t for t in self._client_threads if t.is_alive()}
             self._client_threads.add(thread)
         thread.start()
 
@@ -191,7 +194,6 @@ class _Server(HTTPServer):
         finally:
             with self._lock:  # out of the table before it is closed: cut() never sees it closed
                 self._clients.pop(request, None)
-                self._client_threads.discard(threading.current_thread())
             self.shutdown_request(request)
 
     def cut(self, overdue_only: bool = True) -> None:
@@ -207,8 +209,9 @@ class _Server(HTTPServer):
                         pass  # the client is already gone
 
     def client_threads(self) -> list[threading.Thread]:
+        """The client threads still running."""
         with self._lock:
-            return list(self._client_threads)
+            return [t for t in self._client_threads if t.is_alive()]
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         exc = sys.exc_info()[1]
