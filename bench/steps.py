@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from stagefeed.bench.config import StepsConfig
+from stagefeed.bench.config import REFERENCES, StepsConfig, family
 from stagefeed.bench.report import machine, rounded, step_figures
 from stagefeed.bench.worker import mode_worker
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
@@ -29,7 +29,6 @@ SETUP_TIMEOUT_S = 600.0
 BLOCK_TIMEOUT_S = 1800.0
 STOP_TIMEOUT_S = 20.0
 POLL_S = 0.2
-REFERENCE = "synthetic-device"
 
 
 class _Worker:
@@ -127,7 +126,9 @@ def summarize(
 ) -> dict[str, Any]:
     """The report: settings, machine, and per mode every step time plus derived figures.
 
-    ``ratio`` is the median step over synthetic-device's median in this run. ``stall_pct``
+    ``ratio`` is the median step over its family's reference's median in this run
+    (``bench.config.REFERENCES``: synthetic-device for the graph modes, keras-synthetic for
+    the Keras ones; ``family`` and ``reference`` say which). ``stall_pct``
     is the share of step time spent waiting for input before ``session.run`` started; it
     exists only for a mode that waits outside the run (stagefeed), else ``None``.
     ``process_cpu_ms_per_step``: core-ms the mode's process used per timed step (TF compute
@@ -154,8 +155,10 @@ def summarize(
         figures["settle"] = settles[name]
         figures["info"] = info.get(name, {})
         modes[name] = figures
-    reference = modes.get(REFERENCE, {}).get("median_ms")
-    for figures in modes.values():
+    for name, figures in modes.items():
+        figures["family"] = family(name)
+        figures["reference"] = REFERENCES[figures["family"]]
+        reference = modes.get(figures["reference"], {}).get("median_ms")
         median = figures["median_ms"]
         figures["ratio"] = rounded(median / reference, 3) if reference and median else None
     settings = dataclasses.asdict(config)

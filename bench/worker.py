@@ -40,6 +40,16 @@ def open_mode(name: str, config: StepsConfig, device: str) -> Any:
         from stagefeed.bench.stagefeed_mode import StagefeedMode
 
         return StagefeedMode(config, device)
+    if name in ("keras-synthetic", "keras-from_generator"):
+        from stagefeed.bench import keras_modes
+
+        if name == "keras-synthetic":
+            return keras_modes.KerasSyntheticMode(config, device)
+        return keras_modes.KerasFromGeneratorMode(config, device)
+    if name == "keras-stagefeed":
+        from stagefeed.bench.keras_stagefeed import KerasStagefeedMode
+
+        return KerasStagefeedMode(config, device)
     raise ConfigError(f"unknown mode {name!r}")
 
 
