@@ -53,6 +53,8 @@ def steps_table(report: dict[str, Any]) -> str:
             lines += ["", *_family_table(report, family, modes)]
     lines += [
         "",
+        "note: x reference: median step / the reference's median step; paired: median of each "
+        "step / the reference's step in the same round (timed seconds apart).",
         "note: stall %: share of step time spent waiting for a batch before session.run; n/a "
         "where the wait happens inside session.run (or Keras' train_function) and cannot be "
         "told apart from compute.",
@@ -65,13 +67,14 @@ def _family_table(report: dict[str, Any], family: str, modes: dict[str, Any]) ->
     lines = [
         f"{FAMILY_TITLE[family]}:",
         "",
-        f"| mode | median ms/step | p10 | p90 | images/s | x {reference} | stall % |",
-        "|---|---|---|---|---|---|---|",
+        f"| mode | median ms/step | p10 | p90 | images/s | x {reference} | paired | stall % |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, f in modes.items():
         lines.append(
             f"| {name} | {_cell(f['median_ms'])} | {_cell(f['p10_ms'])} | {_cell(f['p90_ms'])} "
-            f"| {_cell(f['images_per_s'])} | {_cell(f['ratio'])} | {_cell(f['stall_pct'])} |"
+            f"| {_cell(f['images_per_s'])} | {_cell(f['ratio'])} | {_cell(f['paired_ratio'])} "
+            f"| {_cell(f['stall_pct'])} |"
         )
     lines.append("")
     lines += [f"  {name}: {MODE_MEANING[name]}" for name in modes]
@@ -107,11 +110,12 @@ def _graph_notes(report: dict[str, Any], modes: dict[str, Any]) -> list[str]:
         "CPU-only: synthetic-host is the same as synthetic-device (no host-to-device copy "
         "exists) and tf.data runs without prefetch_to_device."
     ]
-    gauge = modes.get("synthetic-host", {}).get("ratio")
-    if gauge is not None and "synthetic-device" in modes:
+    gauge = modes.get("synthetic-host", {})
+    if gauge.get("ratio") is not None and "synthetic-device" in modes:
         notes.append(
             f"noise gauge: synthetic-host does synthetic-device's exact work here, so its "
-            f"ratio ({gauge}) shows how far this run's noise alone moves a ratio."
+            f"ratios ({gauge['ratio']}, paired {gauge['paired_ratio']}) show how far this "
+            "run's noise alone moves a ratio."
         )
     return notes
 

@@ -52,8 +52,10 @@ def test_mode_yields_figures_and_ratio(tmp_path, mode):
     reference, figures = report["modes"]["synthetic-device"], report["modes"][mode]
     for f in (reference, figures):
         _check_figures(f, 4, 2)
-    assert reference["ratio"] == 1.0
+    assert reference["ratio"] == 1.0 and reference["paired_ratio"] == 1.0
     assert figures["ratio"] == pytest.approx(figures["median_ms"] / reference["median_ms"], 0.01)
+    pairs = sorted(s / r for s, r in zip(figures["step_ms"], reference["step_ms"], strict=True))
+    assert figures["paired_ratio"] == pytest.approx((pairs[1] + pairs[2]) / 2, 0.01)
     # Two rounds: forward, then reversed.
     assert report["order"] == [["synthetic-device", mode], [mode, "synthetic-device"]]
     assert f"| {mode} |" in table and "| synthetic-device |" in table
@@ -98,9 +100,10 @@ def test_keras_trio_has_its_own_table_and_reference(tmp_path):
         assert figures["stall_pct"] is None  # the wait is inside Keras' train_function
         assert figures["info"]["parameters"] == modes["keras-synthetic"]["info"]["parameters"]
         median = modes["keras-synthetic"]["median_ms"]
-        assert math.isfinite(figures["ratio"])
+        assert math.isfinite(figures["ratio"]) and math.isfinite(figures["paired_ratio"])
         assert figures["ratio"] == pytest.approx(figures["median_ms"] / median, 0.01)
-    assert modes["keras-synthetic"]["ratio"] == 1.0 and modes["synthetic-device"]["ratio"] == 1.0
+    for reference in ("keras-synthetic", "synthetic-device"):
+        assert modes[reference]["ratio"] == modes[reference]["paired_ratio"] == 1.0
     assert modes["synthetic-device"]["reference"] == "synthetic-device"
     stagefeed = modes["keras-stagefeed"]
     assert stagefeed["feed_cpu_ms_per_step"] >= 0
