@@ -10,11 +10,13 @@ Once its mode is closed, a worker ends with ``os._exit(0)``: after long runs, in
 finalization of a process holding TensorFlow and Keras (a model, its traced functions, a tf.data
 iterator) was seen to take over 20 s on the loaded 2-core machine, after which the coordinator
 terminated the worker; nothing a closed mode holds needs Python's finalizers (its producers are
-stopped and joined, its socket file removed, mappings go with the process).
+stopped and joined, its socket file removed, mappings go with the process); the mode object is
+dropped and collected first, so that its semaphores leave the resource tracker's books.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -131,5 +133,9 @@ def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> No
             mode.close()
             log.info("%s closed in %.1f s", name, time.monotonic() - started)
         conn.close()
-    logging.shutdown()  # flush before the exit that skips finalization
+    # Drop the mode so the finalizers of its multiprocessing objects (the producer pool's
+    # semaphores) unregister them from the resource tracker, then flush the logs.
+    mode = None
+    gc.collect()
+    logging.shutdown()
     os._exit(0)

@@ -32,6 +32,8 @@ def _bench(tmp_path, modes: list[str], *extra: str) -> tuple[dict, str]:
     args = ["bench", "steps", "--modes", ",".join(modes), *TINY_STEPS, "--queue-mb", "16"]
     done = run_cli([*args, "--json", str(path), *extra], timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
+    # Workers end without Python's finalization (bench.worker): nothing may be left behind.
+    assert "leaked" not in done.stderr and "terminating" not in done.stderr, done.stderr
     with open(path) as f:
         return json.load(f), done.stdout
 
