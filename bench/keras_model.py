@@ -4,10 +4,12 @@ The same network as ``consumer.model`` (which the graph modes train), so the Ker
 the graph table time the same arithmetic: VALID convolutions with bias and Glorot-uniform
 kernels and *no activation* (the seed passed none), VALID 3x3/2 max-pooling, two ReLU dense
 layers of 4096 with truncated-normal(stddev=1.0) kernels, a linear output of the labels' class
-count, sparse softmax cross-entropy on the logits, SGD with learning rate 0.01, no dropout (the
-seed's dropout ran with ``training=False``). Images enter in their wire dtype; a uint8 schema's
-cast and scale is the model's first layer (``consumer.keras_feed.cast_layer``), so it runs in the
-step on the training device, for every mode alike.
+count, sparse softmax cross-entropy on the logits, SGD with learning rate 0.01 on gradients
+clipped to a global norm of ``consumer.model.CLIP_NORM`` (the graph model's one departure from
+the seed), no dropout (the seed's dropout ran with ``training=False``). Images enter in their
+wire dtype; a uint8 schema's cast and scale is the model's first layer
+(``consumer.keras_feed.cast_layer``), so it runs in the step on the training device, for every
+mode alike.
 
 ``jit_compile=False``: the graph modes run without XLA, and Keras' ``"auto"`` would turn XLA on
 for this model; the choice is the same for all three modes.
@@ -21,6 +23,7 @@ from stagefeed.consumer import model as graph_model
 from stagefeed.consumer.keras_feed import cast_layer
 
 LEARNING_RATE = graph_model.LEARNING_RATE
+CLIP_NORM = graph_model.CLIP_NORM
 
 
 def _conv(filters: int, kernel: int, stride: int, name: str) -> keras.layers.Layer:
@@ -62,9 +65,10 @@ def alexnet_layers(schema: Schema) -> tuple[keras.KerasTensor, keras.KerasTensor
 
 
 def compile_model(model: keras.Model) -> keras.Model:
-    """SGD 0.01 on sparse softmax cross-entropy, no metrics, no XLA (see the module doc)."""
+    """SGD 0.01 on clipped gradients, sparse softmax cross-entropy, no metrics, no XLA (see the
+    module doc)."""
     model.compile(
-        optimizer=keras.optimizers.SGD(LEARNING_RATE),
+        optimizer=keras.optimizers.SGD(LEARNING_RATE, global_clipnorm=CLIP_NORM),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=False,
     )
