@@ -100,8 +100,10 @@ class Loopback:
         return sum_cpu_s([*producers, threads_cpu_s(FEED_THREADS, ZMQ_THREADS)])
 
     def close(self) -> None:
-        """Idempotent: stop the producers, remove the ipc socket file."""
+        """Idempotent: stop the producers, drop the pool (so its semaphores are released now:
+        ``bench.worker`` ends without Python's finalization), remove the ipc socket file."""
         if self.pool is not None:
             self.pool.close()
+            self.pool = None
         if self._ipc_path and os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)

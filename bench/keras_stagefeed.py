@@ -87,6 +87,7 @@ class KerasStagefeedMode(KerasMode):
         if self.fit is not None:
             self.fit.release()
         self.link.close()
+        self._producers_ok = None  # the pool's last reference here (bench.worker's exit)
         if self.feed is not None:
             self.feed.close()
         super().close()

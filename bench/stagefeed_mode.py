@@ -21,7 +21,7 @@ from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.consumer import model
 from stagefeed.consumer.trainer import StepRecord, Trainer
-from stagefeed.producer.pool import ProducerPool, pool_check
+from stagefeed.producer.pool import pool_check
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,6 @@ class StagefeedMode:
         self._thread: threading.Thread | None = None
         self.link = Loopback(config)
         self.trainer: Trainer | None = None
-        self.pool: ProducerPool | None = None
 
     def setup(self) -> dict[str, Any]:
         config, link = self.config, self.link
@@ -60,7 +59,7 @@ class StagefeedMode:
             warmup_steps=0,  # the coordinator's warm-up steps are this mode's first steps
         )
         self.trainer = Trainer(options, [self], model_fn=model.model_fn).start()
-        self.pool = link.start_producers(self.trainer.endpoint)
+        link.start_producers(self.trainer.endpoint)
         self._thread = threading.Thread(target=self._train, name="bench-stagefeed-train")
         self._thread.start()
         self._next_record(START_TIMEOUT_S)  # priming + one untimed step
@@ -116,9 +115,9 @@ class StagefeedMode:
 
     def _train(self) -> None:
         assert self.trainer is not None
-        assert self.pool is not None
+        assert self.link.pool is not None
         try:
-            self.trainer.train(self._stop, health_check=pool_check(self.pool))
+            self.trainer.train(self._stop, health_check=pool_check(self.link.pool))
         except ClosedError:
             pass  # stopped by close()
         except Exception as exc:  # noqa: BLE001 - handed to step(), never swallowed
