@@ -27,6 +27,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/stagefeed bench steps
+	$(BIN)/stagefeed bench steps --modes keras
 	$(BIN)/stagefeed bench ingest
 
 clean:

@@ -13,12 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 from stagefeed.bench.config import (
+    ALL_MODES,
     IMAGE_DTYPES,
     SHM_FILLS,
-    STEP_MODES,
     TRANSPORTS,
     IngestConfig,
     StepsConfig,
+    expand_modes,
 )
 from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.schema import image_schema
@@ -53,8 +54,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--modes",
         type=_list_of(str),
-        default=STEP_MODES,
-        help=f"comma-separated subset of {','.join(STEP_MODES)} [default: all]",
+        default=("graph",),
+        help=f"comma-separated modes of {','.join(ALL_MODES)}, or families: graph (the "
+        "first six), keras (the keras-* trio), all [default: graph]",
     )
     p.add_argument("--batch-size", type=int, default=64, help="images per batch [64]")
     p.add_argument("--dtype", default="float32", choices=IMAGE_DTYPES, help="image dtype")
@@ -65,7 +67,9 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--producers", type=int, default=2, help="stagefeed producers [2]")
     p.add_argument("--recv-threads", type=int, default=2, help="stagefeed enqueue threads [2]")
-    p.add_argument("--transport", default="tcp", choices=TRANSPORTS, help="stagefeed loopback")
+    p.add_argument(
+        "--transport", default="tcp", choices=TRANSPORTS, help="both stagefeed modes' loopback"
+    )
     p.add_argument("--queue-mb", type=float, default=1024.0, help="queue budget, MiB [1024]")
     p.add_argument(
         "--seed-prestage", type=int, default=1, help="batches seed-staging stages first [1]"
@@ -100,7 +104,7 @@ def _steps(args: argparse.Namespace) -> int:
     from stagefeed.bench.table import steps_table
 
     config = StepsConfig(
-        modes=tuple(args.modes),
+        modes=expand_modes(tuple(args.modes)),
         schema=image_schema(
             batch_size=args.batch_size, image_size=args.image_size, dtype=args.dtype
         ),

@@ -10,6 +10,7 @@ import dataclasses
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema, image_schema
 
+# The graph family: compat.v1 sessions training ``consumer.model``'s AlexNet.
 STEP_MODES = (
     "synthetic-device",
     "synthetic-host",
@@ -18,6 +19,13 @@ STEP_MODES = (
     "tf.data",
     "stagefeed",
 )
+# The Keras family: ``model.fit`` of the same AlexNet in Keras 3 (``bench.keras_model``).
+KERAS_MODES = ("keras-synthetic", "keras-from_generator", "keras-stagefeed")
+ALL_MODES = STEP_MODES + KERAS_MODES
+# ``--modes`` also takes a family's name for all its modes.
+FAMILIES = {"graph": STEP_MODES, "keras": KERAS_MODES, "all": ALL_MODES}
+# Each family's ratios are against its own upper bound, measured in the same run.
+REFERENCES = {"graph": "synthetic-device", "keras": "keras-synthetic"}
 # Loopback transports of the feed path; ``shm``: batches in shared-memory slots (control over
 # ipc), measured next to raw pyzmq over tcp.
 TRANSPORTS = ("tcp", "ipc", "shm")
@@ -61,6 +69,22 @@ def check_image_schema(schema: Schema) -> None:
         raise ConfigError("the benchmarks need int32 labels [B] with bounds [0, num_classes)")
 
 
+def family(mode: str) -> str:
+    """``"keras"`` or ``"graph"``: which table a mode belongs to, and whose ratio it gets."""
+    return "keras" if mode in KERAS_MODES else "graph"
+
+
+def expand_modes(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``--modes``: family names (``graph``, ``keras``, ``all``) become their modes, in
+    order; a mode named twice is kept once. Unknown names are left for ``StepsConfig``."""
+    out: list[str] = []
+    for name in names:
+        for mode in FAMILIES.get(name, (name,)):
+            if mode not in out:
+                out.append(mode)
+    return tuple(out)
+
+
 def _at_least(name: str, value: int, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -78,12 +102,13 @@ def _subset(name: str, values: tuple, allowed: tuple) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class StepsConfig:
-    """``bench steps``: every mode trains the same AlexNet step on the same batch shape.
+    """``bench steps``: every mode trains the same AlexNet step on the same batch shape (the
+    graph family ``consumer.model``'s, the Keras family the same network in Keras).
 
     ``steps`` timed steps per mode are split into ``rounds`` blocks (0: one step per block,
     the finest interleaving); the modes take turns block by block (forward order, then
     reversed, ...) so load that comes and goes on a shared machine biases none of them.
-    ``queue_mb`` bounds both queue-fed modes (seed-staging and stagefeed) alike.
+    ``queue_mb`` bounds the queue-fed modes (seed-staging, stagefeed, keras-stagefeed) alike.
     """
 
     modes: tuple[str, ...] = STEP_MODES
@@ -99,7 +124,7 @@ class StepsConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        _subset("modes", self.modes, STEP_MODES)
+        _subset("modes", self.modes, ALL_MODES)
         _at_least("steps", self.steps, 1)
         _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("rounds", self.rounds, 0)

@@ -56,6 +56,35 @@ def plain_session_config(device: str) -> v1.ConfigProto:
     return config
 
 
+def generator_dataset(schema: Schema, device: str) -> tuple[tf.data.Dataset, dict[str, Any]]:
+    """``Dataset.from_generator`` yielding one numpy ``(images, labels)`` batch (made once)
+    forever, ``prefetch(TF_DATA_PREFETCH)``, and ``prefetch_to_device`` last on a GPU (it
+    must be the final transformation); with info for the report. Graph or eager alike."""
+    batch = host_batch(schema)
+    pair = (batch["images"], batch["labels"])
+
+    def generate():
+        while True:
+            yield pair
+
+    signature = tuple(
+        tf.TensorSpec(schema.batch_shape(schema[name]), tf_dtype(schema, name))
+        for name in ("images", "labels")
+    )
+    on_gpu = device.startswith("/gpu")
+    with tf.device("/cpu:0"):
+        dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+        dataset = dataset.prefetch(TF_DATA_PREFETCH)
+    if on_gpu:
+        dataset = dataset.apply(tf.data.experimental.prefetch_to_device(device))
+    info = {
+        "prefetch": TF_DATA_PREFETCH,
+        "prefetch_to_device": on_gpu,
+        "host_batch_align64": alignment(pair[0]),
+    }
+    return dataset, info
+
+
 class GraphMode:
     """A mode whose whole input path lives in one graph; a step is one ``session.run``."""
 
@@ -175,32 +204,11 @@ class TfDataMode(GraphMode):
     name = "tf.data"
 
     def build(self) -> dict[str, Any]:
-        schema = self.schema
-        batch = host_batch(schema)
-        batches = [(batch["images"], batch["labels"])]
-
-        def generate():
-            while True:
-                yield from batches
-
-        signature = tuple(
-            tf.TensorSpec(schema.batch_shape(schema[name]), tf_dtype(schema, name))
-            for name in ("images", "labels")
-        )
-        on_gpu = self.device.startswith("/gpu")
-        with tf.device("/cpu:0"):
-            dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
-            dataset = dataset.prefetch(TF_DATA_PREFETCH)
-        if on_gpu:
-            dataset = dataset.apply(tf.data.experimental.prefetch_to_device(self.device))
+        dataset, info = generator_dataset(self.schema, self.device)
         images, labels = v1.data.make_one_shot_iterator(dataset).get_next()
         with tf.device(self.device):
-            _, self._fetch = alexnet_step(images, labels, schema)
-        return {
-            "prefetch": TF_DATA_PREFETCH,
-            "prefetch_to_device": on_gpu,
-            "host_batch_align64": alignment(batches[0][0]),
-        }
+            _, self._fetch = alexnet_step(images, labels, self.schema)
+        return info
 
     def settle(self) -> dict[str, Any]:
         time.sleep(TF_DATA_SETTLE_S)

@@ -10,21 +10,18 @@ being timed. A step's time is the trainer's own: wait for a batch + ``session.ru
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import tempfile
 import threading
 import time
 from typing import Any
 
 from stagefeed.bench.config import StepsConfig
-from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
+from stagefeed.bench.feed_path import Loopback
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import join_threads
-from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.consumer import model
 from stagefeed.consumer.trainer import StepRecord, Trainer
-from stagefeed.producer.pool import ProducerPool, pool_check
+from stagefeed.producer.pool import pool_check
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +32,6 @@ POLL_S = 0.02
 GATE_POLL_S = 0.1
 JOIN_TIMEOUT_S = 10.0
 STAGE_DEPTH = 2
-# Each producer may hold this many batches unsent (bounds its memory: one more for filling).
-PRODUCER_UNSENT_BATCHES = 4
 
 
 class StagefeedMode:
@@ -52,40 +47,19 @@ class StagefeedMode:
         self._records: queue.Queue[StepRecord | None] = queue.Queue()
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._ipc_path: str | None = None
+        self.link = Loopback(config)
         self.trainer: Trainer | None = None
-        self.pool: ProducerPool | None = None
 
     def setup(self) -> dict[str, Any]:
-        config, schema = self.config, self.config.schema
-        shared = config.transport == "shm"  # batches in pool slots, control over ipc
-        if config.transport in ("ipc", "shm"):
-            self._ipc_path = os.path.join(tempfile.gettempdir(), f"stagefeed-bench-{os.getpid()}")
-            bind = f"ipc://{self._ipc_path}"
-        else:
-            bind = "tcp://127.0.0.1:*"
-        options = TrainerOptions(
-            bind=bind,
-            schema=schema,
-            recv_threads=config.recv_threads,
+        config, link = self.config, self.link
+        options = link.trainer_options(
+            STAGE_DEPTH,
+            self.device,
             steps=0,  # until stopped: the gate decides how many steps run
             warmup_steps=0,  # the coordinator's warm-up steps are this mode's first steps
-            queue_mb=config.queue_capacity * schema.batch_bytes / 2**20,
-            stage_depth=STAGE_DEPTH,
-            device="gpu" if self.device.startswith("/gpu") else "cpu",
-            transport="shm" if shared else "zmq",
-            shm_socket=f"{self._ipc_path}-shm/pools.sock" if shared else None,
-            shm_producers=config.producers,
         )
         self.trainer = Trainer(options, [self], model_fn=model.model_fn).start()
-        producer_options = ProducerOptions(
-            connect=self.trainer.endpoint,
-            workers=config.producers,
-            schema=schema,
-            inflight_mb=PRODUCER_UNSENT_BATCHES * schema.batch_bytes / 2**20,
-            transport="shm" if shared else "zmq",
-        )
-        self.pool = ProducerPool(producer_options, logging.getLogger().level).start()
+        link.start_producers(self.trainer.endpoint)
         self._thread = threading.Thread(target=self._train, name="bench-stagefeed-train")
         self._thread.start()
         self._next_record(START_TIMEOUT_S)  # priming + one untimed step
@@ -131,28 +105,19 @@ class StagefeedMode:
         self._go.release()
         if self._thread is not None:
             join_threads([self._thread], JOIN_TIMEOUT_S)
-        if self.pool is not None:
-            self.pool.close()
+        self.link.close()  # the producers first: the trainer's queue stays open meanwhile
         if self.trainer is not None:
             self.trainer.close()
-        if self._ipc_path and os.path.exists(self._ipc_path):
-            os.unlink(self._ipc_path)
 
     def feed_cpu_s(self) -> float | None:
-        """CPU seconds so far of the feed path: producer processes, ZeroMQ I/O threads, the
-        intake thread and the enqueue threads (the trainer's TF threads are not counted)."""
-        assert self.pool is not None
-        producers = [process_cpu_s(p.pid) for p in self.pool.processes]
-        receive = threads_cpu_s(
-            ("stagefeed-intake", "stagefeed-enqueue", "stagefeed-shm-pools"), ("ZMQbg/IO",)
-        )
-        return sum_cpu_s([*producers, receive])
+        """``Loopback.feed_cpu_s``: producers, ZeroMQ I/O, intake, enqueue and pool threads."""
+        return self.link.feed_cpu_s()
 
     def _train(self) -> None:
         assert self.trainer is not None
-        assert self.pool is not None
+        assert self.link.pool is not None
         try:
-            self.trainer.train(self._stop, health_check=pool_check(self.pool))
+            self.trainer.train(self._stop, health_check=pool_check(self.link.pool))
         except ClosedError:
             pass  # stopped by close()
         except Exception as exc:  # noqa: BLE001 - handed to step(), never swallowed

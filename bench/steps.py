@@ -17,11 +17,12 @@ import threading
 import time
 from typing import Any
 
-from stagefeed.bench.config import StepsConfig
+from stagefeed.bench.config import REFERENCES, StepsConfig, family
 from stagefeed.bench.report import machine, rounded, step_figures
 from stagefeed.bench.worker import mode_worker
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.lifecycle import on_stop_signals, stop_processes
+from stagefeed.common.stats import percentile
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ SETUP_TIMEOUT_S = 600.0
 BLOCK_TIMEOUT_S = 1800.0
 STOP_TIMEOUT_S = 20.0
 POLL_S = 0.2
-REFERENCE = "synthetic-device"
 
 
 class _Worker:
@@ -117,6 +117,14 @@ def run_steps(config: StepsConfig, log_level: int = logging.INFO) -> dict[str, A
     return summarize(config, conditions, info, timed, settles, order)
 
 
+def paired_ratio(step_ms: list[float], reference_ms: list[float] | None) -> float | None:
+    """Median of ``step / reference step`` over the steps both timed in the same turns."""
+    if not reference_ms or len(reference_ms) != len(step_ms):
+        return None
+    ratios = [s / r for s, r in zip(step_ms, reference_ms, strict=True) if r > 0]
+    return rounded(percentile(ratios, 50), 3) if ratios else None
+
+
 def summarize(
     config: StepsConfig,
     conditions: dict[str, Any],
@@ -127,7 +135,13 @@ def summarize(
 ) -> dict[str, Any]:
     """The report: settings, machine, and per mode every step time plus derived figures.
 
-    ``ratio`` is the median step over synthetic-device's median in this run. ``stall_pct``
+    ``ratio`` is the median step over its family's reference's median in this run
+    (``bench.config.REFERENCES``: synthetic-device for the graph modes, keras-synthetic for
+    the Keras ones; ``family`` and ``reference`` say which). ``paired_ratio`` is the median
+    over timed steps of the step over the reference's step of the same round and position,
+    timed seconds apart: load that comes and goes on a shared machine for longer than a step
+    (here the step time jumped between ~1.5 and ~3 s for tens of seconds at a time) moves the
+    medians of two modes apart by chance, and the pairs much less. ``stall_pct``
     is the share of step time spent waiting for input before ``session.run`` started; it
     exists only for a mode that waits outside the run (stagefeed), else ``None``.
     ``process_cpu_ms_per_step``: core-ms the mode's process used per timed step (TF compute
@@ -154,10 +168,15 @@ def summarize(
         figures["settle"] = settles[name]
         figures["info"] = info.get(name, {})
         modes[name] = figures
-    reference = modes.get(REFERENCE, {}).get("median_ms")
-    for figures in modes.values():
+    for name, figures in modes.items():
+        figures["family"] = family(name)
+        figures["reference"] = REFERENCES[figures["family"]]
+        reference = modes.get(figures["reference"], {}).get("median_ms")
         median = figures["median_ms"]
         figures["ratio"] = rounded(median / reference, 3) if reference and median else None
+        figures["paired_ratio"] = paired_ratio(
+            figures["step_ms"], modes.get(figures["reference"], {}).get("step_ms")
+        )
     settings = dataclasses.asdict(config)
     settings["schema"] = schema.to_dict()  # the form of --schema files and the welcome
     settings["batch_mb"] = round(schema.batch_bytes / 1e6, 2)

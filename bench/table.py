@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stagefeed.bench.config import REFERENCES
+
 MODE_MEANING = {
     "synthetic-device": "random tensors made on the training device, held in a variable",
     "synthetic-host": "the same made on the CPU, copied to the device every step",
@@ -11,6 +13,9 @@ MODE_MEANING = {
     "seed-staging": "the seed's Python thread -> FIFOQueue -> StagingArea, put grouped",
     "tf.data": "Dataset.from_generator over numpy batches + prefetch",
     "stagefeed": "producer processes -> ZeroMQ -> intake -> FIFOQueue -> StagingArea",
+    "keras-synthetic": "random tensors made on the training device, held; fit's dataset a scalar",
+    "keras-from_generator": "fit on Dataset.from_generator over numpy batches + prefetch",
+    "keras-stagefeed": "fit on ServedFeed: producer processes -> intake -> queue -> device buffer",
 }
 
 
@@ -23,66 +28,96 @@ def _images(schema: dict[str, Any]) -> dict[str, Any]:
     return next(a for a in schema["arrays"] if a["name"] == "images")
 
 
+FAMILY_TITLE = {
+    "graph": "AlexNet (graph mode: consumer.model in a compat.v1 session)",
+    "keras": "AlexNet in Keras 3 (bench.keras_model), model.fit",
+}
+
+
 def steps_table(report: dict[str, Any]) -> str:
+    """One table per family of modes in the report (graph, then Keras), each with its notes."""
     s, schema = report["settings"], report["settings"]["schema"]
     images = _images(schema)
     m = report["machine"]
     lines = [
-        f"stagefeed bench steps: AlexNet, batch {schema['batch_size']} x {images['dtype']} "
+        f"stagefeed bench steps: batch {schema['batch_size']} x {images['dtype']} "
         f"{'x'.join(map(str, images['shape']))} ({s['batch_mb']} MB), "
         f"device {report['device']}, TF {report['tensorflow']}",
         f"{s['steps']} timed steps per mode in {s['rounds']} interleaved rounds, after "
         f"{s['warmup_steps']} warm-up steps; {m['cpus']} CPUs ({m['cpu']}), load "
         f"{m['load_avg_1m']} -> {m.get('load_avg_1m_end', '?')}, {m['date']}",
-        "",
-        "| mode | median ms/step | p10 | p90 | images/s | x synthetic-device | stall % |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for name, f in report["modes"].items():
+    for family in FAMILY_TITLE:
+        modes = {n: f for n, f in report["modes"].items() if f["family"] == family}
+        if modes:
+            lines += ["", *_family_table(report, family, modes)]
+    lines += [
+        "",
+        "note: x reference: median step / the reference's median step; paired: median of each "
+        "step / the reference's step in the same round (timed seconds apart).",
+        "note: stall %: share of step time spent waiting for a batch before session.run; n/a "
+        "where the wait happens inside session.run (or Keras' train_function) and cannot be "
+        "told apart from compute.",
+    ]
+    return "\n".join(lines)
+
+
+def _family_table(report: dict[str, Any], family: str, modes: dict[str, Any]) -> list[str]:
+    reference = REFERENCES[family]
+    lines = [
+        f"{FAMILY_TITLE[family]}:",
+        "",
+        f"| mode | median ms/step | p10 | p90 | images/s | x {reference} | paired | stall % |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, f in modes.items():
         lines.append(
             f"| {name} | {_cell(f['median_ms'])} | {_cell(f['p10_ms'])} | {_cell(f['p90_ms'])} "
-            f"| {_cell(f['images_per_s'])} | {_cell(f['ratio'])} | {_cell(f['stall_pct'])} |"
+            f"| {_cell(f['images_per_s'])} | {_cell(f['ratio'])} | {_cell(f['paired_ratio'])} "
+            f"| {_cell(f['stall_pct'])} |"
         )
     lines.append("")
-    lines += [f"  {name}: {MODE_MEANING[name]}" for name in report["modes"]]
-    notes = []
-    if report["device"].startswith("/cpu"):
-        notes.append(
-            "CPU-only: synthetic-host is the same as synthetic-device (no host-to-device "
-            "copy exists) and tf.data runs without prefetch_to_device."
-        )
-        gauge = report["modes"].get("synthetic-host", {}).get("ratio")
-        if gauge is not None and "synthetic-device" in report["modes"]:
+    lines += [f"  {name}: {MODE_MEANING[name]}" for name in modes]
+    notes = _graph_notes(report, modes) if family == "graph" else []
+    for name in ("stagefeed", "keras-stagefeed"):
+        if name in modes:
+            i = modes[name]["info"]
             notes.append(
-                f"noise gauge: synthetic-host does synthetic-device's exact work here, so its "
-                f"ratio ({gauge}) shows how far this run's noise alone moves a ratio."
+                f"{name}: {i.get('producers')} producers, {i.get('recv_threads')} enqueue "
+                f"threads (--recv-threads), queue {i.get('queue_capacity')} batches, staging "
+                f"depth {i.get('stage_depth')}, {report['settings']['transport']}."
             )
-    if "stagefeed" in report["modes"]:
-        i = report["modes"]["stagefeed"]["info"]
-        notes.append(
-            f"stagefeed: {i.get('producers')} producers, {i.get('recv_threads')} enqueue "
-            f"threads (--recv-threads), queue {i.get('queue_capacity')} batches, staging depth "
-            f"{i.get('stage_depth')}, {s['transport']}."
-        )
     feed_cpu = [
         f"{name} {f['feed_cpu_ms_per_step']}"
-        for name, f in report["modes"].items()
+        for name, f in modes.items()
         if f.get("feed_cpu_ms_per_step") is not None
     ]
-    reference = report["modes"].get("synthetic-device", {}).get("process_cpu_ms_per_step")
+    whole = modes.get(reference, {}).get("process_cpu_ms_per_step")
     if feed_cpu:
         notes.append(
             "feed path CPU, core-ms per step: "
             + ", ".join(feed_cpu)
-            + (f" (synthetic-device's whole step: {reference})" if reference else "")
+            + (f" ({reference}'s whole step: {whole})" if whole else "")
             + "; on a CPU-only machine the step pays for it."
         )
-    notes.append(
-        "stall %: share of step time spent waiting for a batch before session.run; n/a where "
-        "the wait happens inside session.run and cannot be told apart from compute."
-    )
-    lines += ["", *[f"note: {n}" for n in notes]]
-    return "\n".join(lines)
+    return lines + ["", *[f"note: {n}" for n in notes]] if notes else lines
+
+
+def _graph_notes(report: dict[str, Any], modes: dict[str, Any]) -> list[str]:
+    if not report["device"].startswith("/cpu"):
+        return []
+    notes = [
+        "CPU-only: synthetic-host is the same as synthetic-device (no host-to-device copy "
+        "exists) and tf.data runs without prefetch_to_device."
+    ]
+    gauge = modes.get("synthetic-host", {})
+    if gauge.get("ratio") is not None and "synthetic-device" in modes:
+        notes.append(
+            f"noise gauge: synthetic-host does synthetic-device's exact work here, so its "
+            f"ratios ({gauge['ratio']}, paired {gauge['paired_ratio']}) show how far this "
+            "run's noise alone moves a ratio."
+        )
+    return notes
 
 
 def _transport(row: dict[str, Any]) -> str:

@@ -5,12 +5,23 @@ Protocol (coordinator -> worker): ``("steps", n)`` runs n steps then settles, an
 "feed_cpu_s": y})``; ``("close", 0)`` ends it, even in the middle of a block.
 The first message from the worker is ``("ready", info)``; any failure is ``("error", text)``.
 TensorFlow is imported inside the worker only, never by the coordinator.
+
+Once its mode is closed, a worker ends with ``os._exit(0)``: after long runs, interpreter
+finalization of a process holding TensorFlow and Keras (a model, its traced functions, a tf.data
+iterator) was seen to take over 20 s on the loaded 2-core machine, after which the coordinator
+terminated the worker; nothing a closed mode holds needs Python's finalizers (its producers are
+stopped and joined, its socket file removed, mappings go with the process). A mode's close
+drops its producer pool, so the pool's semaphores leave the resource tracker's books then; the
+mode itself is not collected (``gc.collect()`` there destroys the TensorFlow objects, the slow
+part: a run with it still had two workers terminated after 20 s).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import time
 import traceback
 from typing import Any
 
@@ -40,6 +51,16 @@ def open_mode(name: str, config: StepsConfig, device: str) -> Any:
         from stagefeed.bench.stagefeed_mode import StagefeedMode
 
         return StagefeedMode(config, device)
+    if name in ("keras-synthetic", "keras-from_generator"):
+        from stagefeed.bench import keras_modes
+
+        if name == "keras-synthetic":
+            return keras_modes.KerasSyntheticMode(config, device)
+        return keras_modes.KerasFromGeneratorMode(config, device)
+    if name == "keras-stagefeed":
+        from stagefeed.bench.keras_stagefeed import KerasStagefeedMode
+
+        return KerasStagefeedMode(config, device)
     raise ConfigError(f"unknown mode {name!r}")
 
 
@@ -109,5 +130,9 @@ def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> No
             pass
     finally:
         if mode is not None:
+            started = time.monotonic()
             mode.close()
+            log.info("%s closed in %.1f s", name, time.monotonic() - started)
         conn.close()
+    logging.shutdown()  # flush, before the exit that skips finalization
+    os._exit(0)

@@ -15,7 +15,7 @@ import time
 
 import psutil
 import pytest
-from stagefeed.bench.config import STEP_MODES, StepsConfig
+from stagefeed.bench.config import KERAS_MODES, STEP_MODES, StepsConfig, expand_modes
 from stagefeed.bench.cpu import process_cpu_s, threads_cpu_s
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.producer.pool import pool_check
@@ -32,6 +32,8 @@ def _bench(tmp_path, modes: list[str], *extra: str) -> tuple[dict, str]:
     args = ["bench", "steps", "--modes", ",".join(modes), *TINY_STEPS, "--queue-mb", "16"]
     done = run_cli([*args, "--json", str(path), *extra], timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
+    # Workers end without Python's finalization (bench.worker): nothing may be left behind.
+    assert "leaked" not in done.stderr and "terminating" not in done.stderr, done.stderr
     with open(path) as f:
         return json.load(f), done.stdout
 
@@ -52,8 +54,10 @@ def test_mode_yields_figures_and_ratio(tmp_path, mode):
     reference, figures = report["modes"]["synthetic-device"], report["modes"][mode]
     for f in (reference, figures):
         _check_figures(f, 4, 2)
-    assert reference["ratio"] == 1.0
+    assert reference["ratio"] == 1.0 and reference["paired_ratio"] == 1.0
     assert figures["ratio"] == pytest.approx(figures["median_ms"] / reference["median_ms"], 0.01)
+    pairs = sorted(s / r for s, r in zip(figures["step_ms"], reference["step_ms"], strict=True))
+    assert figures["paired_ratio"] == pytest.approx((pairs[1] + pairs[2]) / 2, 0.01)
     # Two rounds: forward, then reversed.
     assert report["order"] == [["synthetic-device", mode], [mode, "synthetic-device"]]
     assert f"| {mode} |" in table and "| synthetic-device |" in table
@@ -78,10 +82,68 @@ def test_stall_is_measured_for_stagefeed_only(tmp_path):
     assert [s["queue_full"] for s in seed["settle"]] == [True, True, True]
 
 
+def _table_rows(table: str, heading: str) -> list[str]:
+    """The mode names of the table under ``heading`` in the printed report."""
+    block = table.split(heading, 1)[1].split("\n\n", 2)[1]
+    return [line.split(" | ")[0].lstrip("| ") for line in block.splitlines()[2:]]
+
+
+def test_keras_trio_has_its_own_table_and_reference(tmp_path):
+    """``--modes keras`` beside a graph mode: one run, interleaved, two tables; each family's
+    ratios against its own synthetic upper bound."""
+    report, table = _bench(tmp_path, ["synthetic-device", "keras"])
+    modes = report["modes"]
+    assert list(modes) == ["synthetic-device", *KERAS_MODES]
+    assert report["order"] == [list(modes), list(reversed(modes))]
+    for name in KERAS_MODES:
+        figures = modes[name]
+        _check_figures(figures, 4, 2)
+        assert (figures["family"], figures["reference"]) == ("keras", "keras-synthetic")
+        assert figures["stall_pct"] is None  # the wait is inside Keras' train_function
+        assert figures["info"]["parameters"] == modes["keras-synthetic"]["info"]["parameters"]
+        median = modes["keras-synthetic"]["median_ms"]
+        assert math.isfinite(figures["ratio"]) and math.isfinite(figures["paired_ratio"])
+        assert figures["ratio"] == pytest.approx(figures["median_ms"] / median, 0.01)
+    for reference in ("keras-synthetic", "synthetic-device"):
+        assert modes[reference]["ratio"] == modes[reference]["paired_ratio"] == 1.0
+    assert modes["synthetic-device"]["reference"] == "synthetic-device"
+    stagefeed = modes["keras-stagefeed"]
+    assert stagefeed["feed_cpu_ms_per_step"] >= 0
+    assert stagefeed["info"]["queue_full_at_start"] is True
+    assert [s["queue_full"] for s in stagefeed["settle"]] == [True, True, True]
+    assert _table_rows(table, "AlexNet (graph mode") == ["synthetic-device"]
+    assert _table_rows(table, "AlexNet in Keras 3") == list(KERAS_MODES)
+    assert "| mode | median ms/step | p10 | p90 | images/s | x keras-synthetic |" in table
+
+
+def test_keras_stagefeed_takes_the_transport(tmp_path):
+    """uint8 over shared memory: the cast layer's path, and one producer."""
+    modes = ["keras-synthetic", "keras-stagefeed"]
+    extra = ("--transport", "shm", "--producers", "1", "--dtype", "uint8")
+    report, table = _bench(tmp_path, modes, *extra)
+    stagefeed = report["modes"]["keras-stagefeed"]
+    _check_figures(stagefeed, 4, 2)
+    assert math.isfinite(stagefeed["ratio"])
+    assert stagefeed["info"]["producers"] == 1
+    assert report["settings"]["transport"] == "shm"
+    assert "staging depth 2, shm." in table
+
+
+def test_families_expand_to_their_modes():
+    assert expand_modes(("keras",)) == KERAS_MODES
+    assert expand_modes(("graph",)) == STEP_MODES
+    assert expand_modes(("all",)) == STEP_MODES + KERAS_MODES
+    assert expand_modes(("keras-stagefeed", "keras", "stagefeed")) == (
+        "keras-stagefeed", "keras-synthetic", "keras-from_generator", "stagefeed",
+    )  # fmt: skip
+    assert StepsConfig().modes == STEP_MODES
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
         (["--modes", "synthetic-device,bogus"], "bogus"),
+        (["--modes", "keras,kerass"], "kerass"),
         (["--image-size", "100"], "100x100"),
         (["--rounds", "9", "--steps", "4"], "rounds=9"),
     ],

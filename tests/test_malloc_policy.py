@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import REPO
+import pytest
+
+from tests.conftest import REPO, cli_env
 
 PROBE = """
 import resource, sys
@@ -36,3 +38,42 @@ def test_kept_memory_avoids_page_faults_per_batch():
     # per fault), none with the policy.
     assert default >= 10 * 100  # every batch unmapped on free and faulted in afresh
     assert kept * 50 < default
+
+
+SERVED_PROBE = """
+import ctypes, sys
+import numpy as np
+from stagefeed import ServedFeed, TrainerOptions
+from stagefeed.common.schema import image_schema
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=image_schema(2, 195), queue_mb=4,
+                         keep_freed_memory=sys.argv[1] == "keep")
+ServedFeed(options).close()
+before = mallinfo2().hblkhd
+batch = np.ones(40 * 2**20, np.uint8)  # above glibc's largest mmap threshold
+print(mallinfo2().hblkhd - before)
+"""
+
+
+@pytest.mark.slow
+def test_a_served_feed_applies_the_policy_its_options_ask_for():
+    """The TF 2 trainer side does as the graph trainer: by default a batch-sized buffer comes
+    from the heap (no mmap of its own, so reused once freed); with the option off, glibc maps
+    it afresh."""
+
+    def mapped(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", SERVED_PROBE, mode],
+            capture_output=True, text=True, cwd=REPO, check=True, env=cli_env(),
+        )  # fmt: skip
+        return int(out.stdout.strip().splitlines()[-1])
+
+    assert mapped("keep") == 0
+    assert mapped("default") >= 40 * 2**20
