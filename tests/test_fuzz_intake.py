@@ -7,7 +7,7 @@ fresh one (which may say a generated hello itself). After each example a probe c
 sends a valid batch against its credit, and it must be enqueued: the intake thread never dies
 (``intake.check()`` never raises), nothing is booked as ``internal`` (an unexpected exception),
 and no message is booked twice. Examples per run follow the Hypothesis profile
-(``tests/test_fuzz_protocol.py``: ``quick`` by default, ``fuzz`` for ``make fuzz``).
+(``tests/fuzz_strategies.py``: ``quick`` by default, ``fuzz`` for ``make fuzz``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from stagefeed.common.schema import MAX_ARRAYS, ArraySpec, Schema
 from stagefeed.consumer.intake import Intake
 
 from tests import hostile
-from tests.test_fuzz_protocol import batch_messages, header_bytes, schema_dicts
+from tests.fuzz_strategies import header_bytes, schema_dicts
+from tests.test_fuzz_protocol import batch_messages
 
 SCHEMA = Schema((ArraySpec("x", "float32", (3,)), ArraySpec("y", "int32", (), bounds=(0, 10))), 2)
 PROBE_S = 10.0  # a valid batch is enqueued within this, whatever came before
