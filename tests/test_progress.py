@@ -49,6 +49,20 @@ def test_off_a_terminal_lines_go_to_the_log(caplog) -> None:
     assert stream.getvalue() == ""
 
 
+def _read_all(master: int) -> bytes:
+    """Everything written to the pty: one read may return part of it; EIO once the writer closed."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def test_on_a_terminal_the_line_is_rewritten_in_place() -> None:
     master, slave = os.openpty()
     try:
@@ -59,7 +73,7 @@ def test_on_a_terminal_the_line_is_rewritten_in_place() -> None:
             progress.show(window(steps=20), steps_planned=30)
             progress.break_line()
             progress.finish()  # nothing left open: no second newline
-        out = os.read(master, 65536).decode()
+        out = _read_all(master).decode()
     finally:
         os.close(master)
     first, second = format_line(window(steps=10), 30), format_line(window(steps=20), 30)
