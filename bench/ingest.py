@@ -11,6 +11,12 @@ ipc) has no raw pyzmq of its own: its peer is raw pyzmq over tcp, the transport 
 Each timed window also gives the feed path's CPU, in core-ms per batch (psutil; None without
 it): the producer processes, and the trainer's intake, enqueue and pool threads and ZeroMQ's
 I/O threads; for raw pyzmq, the senders and the receiving process.
+
+Raw pyzmq's receiver runs in this process, so the trainer's malloc policy
+(``consumer.malloc_policy``, process-wide once applied) is applied before the first
+measurement: every raw figure of a run is then taken under the same heap settings as the
+trainer's, the stronger ceiling (without it the first raw measurement of a run page-faulted
+and later ones did not).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from stagefeed.common.ledger import Books
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema
+from stagefeed.consumer import malloc_policy
 from stagefeed.consumer.trainer import StepRecord, Trainer
 from stagefeed.producer.pool import ProducerPool, pool_check
 
@@ -266,6 +273,7 @@ def _compare(
 def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str, Any]:
     """Every (dtype, transport, producers) measurement; Ctrl-C stops between measurements."""
     conditions = machine()
+    conditions["malloc_policy"] = malloc_policy.keep_freed_memory()
     stop = threading.Event()
     restore = on_stop_signals(lambda _sig: stop.set())
     runs: list[dict[str, Any]] = []

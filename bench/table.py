@@ -151,12 +151,14 @@ def ingest_table(report: dict[str, Any]) -> str:
     lines += [
         "",
         "note: raw pyzmq = the same messages from as many sender processes into one PULL "
-        "socket, zero-copy send and receive, nothing done with them (the transport's ceiling).",
+        "socket, zero-copy send and receive, nothing done with them (the transport's ceiling), "
+        "its receiver under the trainer's malloc policy.",
         "note: stagefeed = producer processes -> ZeroMQ -> intake -> enqueue threads -> "
         "FIFOQueue -> StagingArea, consumed by a step that reads labels and one pixel per image.",
         "note: shm = the same, but each batch is copied by its producer into a slot of a "
         "shared-memory pool and only a descriptor crosses ZeroMQ (ipc); TF aliases the slot. "
-        "Its raw pyzmq peer is tcp.",
+        "Its raw pyzmq peer is tcp. A batch copied once moves at most at memcpy's speed, so "
+        "its stagefeed / raw is bounded by memcpy / raw of the same row.",
         "note: shm in place = the same, but the producer's source fills the slot itself and "
         "writes only the labels (bench.sources.labels_in_place): the transport's own cost.",
         "note: feed core-ms/batch = CPU of the producers, the trainer's intake, enqueue and "
