@@ -124,6 +124,11 @@ def _steps(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    from stagefeed.consumer import malloc_policy
+
+    # The trainer runs in this process: its malloc policy goes first, before TensorFlow's
+    # threads, as the command line does for the trainer (consumer/malloc_policy.py).
+    malloc_policy.keep_freed_memory()
     from stagefeed.bench.ingest import run_ingest
     from stagefeed.bench.table import ingest_table
 

@@ -32,6 +32,10 @@ from stagefeed.common.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
+# The modes whose trainer applies stagefeed's malloc policy; the others keep glibc's defaults,
+# as a user's own code would.
+POLICY_MODES = ("stagefeed", "keras-stagefeed")
+
 
 def open_mode(name: str, config: StepsConfig, device: str) -> Any:
     """The mode object for ``name`` (imports TensorFlow)."""
@@ -104,6 +108,10 @@ def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     mode = None
     try:
+        if name in POLICY_MODES:
+            from stagefeed.consumer import malloc_policy
+
+            malloc_policy.keep_freed_memory()  # before TensorFlow's threads, as the CLI does
         import tensorflow as tf
         from stagefeed.consumer.graph import pick_device
 

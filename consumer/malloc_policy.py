@@ -6,6 +6,16 @@ one and each time TensorFlow copies one: measured at 18-21 core-ms per batch in 
 thread alone (docs/benchmarks.md), on the cores the train step needs. With mmap disabled and
 trimming pushed out of reach, freed buffers are reused from the heap: the trainer's RSS stays at
 its high-water mark (which the byte budgets bound) rather than falling between batches.
+
+Disabling mmap is not enough on its own. A thread other than the main one allocates from an
+arena of its own, whose heaps are at most 64 MiB: a larger block (a 158 MB float32 batch) does
+not fit there, and glibc maps it afresh whatever the mmap setting. ZeroMQ's I/O thread and the
+enqueue threads are such threads. So the policy also limits glibc to one arena, the main one,
+whose heap grows without that limit. That limit only holds for threads that have not allocated
+yet: applied once other threads run (TensorFlow imported first), some of them keep arenas of
+their own, and the policy says so. The command line applies it before TensorFlow is imported;
+in a user's script, ``stagefeed.keep_freed_memory()`` before ``import tensorflow`` (or
+``MALLOC_ARENA_MAX=1`` in the environment) does the same.
 """
 
 from __future__ import annotations
@@ -13,16 +23,31 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+import threading
 
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int
+
+_lock = threading.Lock()
+_applied: bool | None = None  # the first call's outcome: the policy is process-wide
 
 
 def keep_freed_memory() -> bool:
-    """Apply the policy process-wide; return False (and say why) where it cannot be applied."""
+    """Apply the policy process-wide, once; return False (and say why) where it cannot be
+    applied. Later calls return the first call's outcome."""
+    global _applied
+    with _lock:
+        if _applied is None:
+            _applied = _apply()
+        return _applied
+
+
+def _apply() -> bool:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -34,9 +59,31 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-    if ok:
-        log.info("malloc: freed batch buffers are kept for reuse (mmap off, trim off)")
-    else:
+    threads = _os_threads()  # before anything else runs: the figure the warning needs
+    ok = (
+        mallopt(M_ARENA_MAX, 1) == 1
+        and mallopt(M_MMAP_MAX, 0) == 1
+        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    )
+    if not ok:
         log.warning("malloc policy not applied: mallopt refused; batches will page-fault")
-    return ok
+        return False
+    if threads > 1 and os.environ.get("MALLOC_ARENA_MAX") != "1":
+        log.warning(
+            "malloc policy applied with %d threads already running: batches those threads "
+            "allocate may still page-fault; call stagefeed.keep_freed_memory() before "
+            "importing TensorFlow, or set MALLOC_ARENA_MAX=1",
+            threads,
+        )
+    else:
+        log.info("malloc: freed batch buffers are kept for reuse (one arena, mmap off, trim off)")
+    return True
+
+
+def _os_threads() -> int:
+    """Threads of this process, native ones included (TensorFlow's, ZeroMQ's) where /proc
+    tells; else the Python threads."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()

@@ -2,8 +2,8 @@
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
 this package without TensorFlow: the trainer-side names (``Feed``, ``ServedFeed``,
-``Trainer``, ``KerasTrainer``) are loaded on first
-use (PEP 562), and only they import TensorFlow.
+``Trainer``, ``KerasTrainer``, and ``keep_freed_memory``, which does not) are loaded on first
+use (PEP 562), and only the first four import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 ``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
@@ -42,6 +42,7 @@ _LAZY = {
     "KerasTrainer": "stagefeed.consumer.keras_trainer",
     "ServedFeed": "stagefeed.consumer.served_feed",
     "Trainer": "stagefeed.consumer.trainer",
+    "keep_freed_memory": "stagefeed.consumer.malloc_policy",  # no TensorFlow
 }
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "TrainerOptions",
     "__version__",
     "image_schema",
+    "keep_freed_memory",
     "load_schema",
 ]
 assert __all__ == sorted(__all__), "keep __all__ sorted"

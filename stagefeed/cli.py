@@ -295,9 +295,19 @@ def _produce(args: argparse.Namespace) -> int:
         shutdown.finish()
 
 
+def keep_freed_memory_first(args: argparse.Namespace) -> None:
+    """The trainer's malloc policy before TensorFlow starts its threads: glibc's one-arena
+    limit holds only for threads that have not allocated yet (consumer/malloc_policy.py)."""
+    if not args.return_freed_memory:
+        from stagefeed.consumer import malloc_policy  # no TensorFlow there
+
+        malloc_policy.keep_freed_memory()
+
+
 def _train(args: argparse.Namespace) -> int:
     shutdown = Shutdown().install()
     try:
+        keep_freed_memory_first(args)
         from stagefeed.launcher import observe_options, train
 
         return train(trainer_options(args, args.bind), args.json, observe_options(args), shutdown)
@@ -308,6 +318,7 @@ def _train(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     shutdown = Shutdown().install()
     try:
+        keep_freed_memory_first(args)
         from stagefeed.launcher import run_local
 
         return run_local(args, trainer_options, producer_options, shutdown)

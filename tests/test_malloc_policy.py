@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -24,9 +25,10 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(mode: str) -> int:
+def _faults(mode: str, probe: str = PROBE) -> int:
+    """The last line the probe printed, run with ``mode``."""
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, cwd=REPO, check=True
+        [sys.executable, "-c", probe, mode], capture_output=True, text=True, cwd=REPO, check=True
     )
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -38,6 +40,68 @@ def test_kept_memory_avoids_page_faults_per_batch():
     # per fault), none with the policy.
     assert default >= 10 * 100  # every batch unmapped on free and faulted in afresh
     assert kept * 50 < default
+
+
+THREAD_PROBE = """
+import ctypes, sys, threading
+import numpy as np
+from stagefeed.consumer.malloc_policy import keep_freed_memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+mapped = []
+def batch():  # as ZeroMQ's I/O thread and the enqueue threads do
+    before = mallinfo2().hblkhd
+    block = np.empty(100 * 2**20, np.uint8)  # more than a thread arena's 64 MiB heap holds
+    mapped.append(mallinfo2().hblkhd - before)
+    del block
+thread = threading.Thread(target=batch)
+thread.start()
+thread.join()
+print(mapped[0])
+"""
+
+
+def test_kept_memory_holds_in_other_threads_for_blocks_over_64_mib():
+    """A thread allocates from its own arena, whose heaps cannot hold a 158 MB batch: without
+    the one-arena limit glibc maps such a block afresh (and faults it in) every time, whatever
+    the mmap setting. Its mapped bytes are counted by ``mallinfo2().hblkhd``."""
+    assert _faults("keep", THREAD_PROBE) == 0
+    assert _faults("default", THREAD_PROBE) >= 100 * 2**20
+
+
+LATE_PROBE = """
+import logging, threading
+from stagefeed.consumer.malloc_policy import keep_freed_memory
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+stop = threading.Event()
+worker = threading.Thread(target=stop.wait)
+worker.start()
+try:
+    assert keep_freed_memory()
+    assert keep_freed_memory()  # once per process: no second line
+finally:
+    stop.set()
+    worker.join()
+"""
+
+
+def test_policy_applied_late_says_so_once():
+    out = subprocess.run(
+        [sys.executable, "-c", LATE_PROBE], capture_output=True, text=True, cwd=REPO, check=True,
+        env={k: v for k, v in cli_env().items() if k != "MALLOC_ARENA_MAX"},
+    )  # fmt: skip
+    lines = [line for line in out.stderr.splitlines() if "malloc" in line]
+    assert len(lines) == 1, out.stderr
+    assert re.match(r"WARNING malloc policy applied with \d+ threads already running", lines[0])
+    assert "stagefeed.keep_freed_memory()" in lines[0] and "MALLOC_ARENA_MAX=1" in lines[0]
 
 
 SERVED_PROBE = """
