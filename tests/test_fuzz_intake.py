@@ -24,8 +24,9 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, ArraySpec, Schema
 from stagefeed.consumer.intake import Intake
 
-from tests import hostile
 from tests.fuzz_strategies import header_bytes, schema_dicts
+from tests.hostile import wire
+from tests.hostile.peers import Peer
 from tests.test_fuzz_protocol import batch_messages
 
 SCHEMA = Schema((ArraySpec("x", "float32", (3,)), ArraySpec("y", "int32", (), bounds=(0, 10))), 2)
@@ -66,14 +67,14 @@ class Rig:
         self.sent = 0  # messages sent, each booked at most once (a drop or a batch received)
         self.probe_seq = 0
 
-    def peer(self) -> hostile.Peer:
-        return hostile.Peer(self.ctx, self.intake.endpoint, timeout_s=PROBE_S)
+    def peer(self) -> Peer:
+        return Peer(self.ctx, self.intake.endpoint, timeout_s=PROBE_S)
 
     def check_alive(self) -> None:
         """The intake still works: the probe's next valid batch is enqueued."""
         self.intake.check()
         seq, self.probe_seq = self.probe_seq, self.probe_seq + 1
-        self.probe.send_batch(protocol.encode_batch(seq, hostile.valid_arrays(SCHEMA)))
+        self.probe.send_batch(protocol.encode_batch(seq, wire.valid_arrays(SCHEMA)))
         self.sent += 1
         assert self.recorder.wait_for((self.probe_index, seq), PROBE_S), "probe not enqueued"
         self.intake.check()
@@ -101,7 +102,7 @@ def messages(draw) -> list[bytes]:
         name = draw(st.one_of(st.just("fuzz"), st.text(max_size=70)))
         schema = draw(st.one_of(st.none(), st.just(SCHEMA.to_dict()), schema_dicts()))
         try:
-            return hostile.hello(name, schema)
+            return wire.hello(name, schema)
         except (ValueError, TypeError, OverflowError):  # msgpack cannot pack it: junk then
             return [b"\xc1"]
     head = draw(header_bytes())
@@ -122,7 +123,7 @@ def test_the_intake_survives_any_message_and_keeps_enqueueing(rig, frames, sende
         fresh = rig.peer()
         fresh.send(frames)
         # A fresh connection whose generated hello was welcomed holds credit: hand it back.
-        fresh.send(hostile.control("end", seq=0))
+        fresh.send(wire.control("end", seq=0))
         rig.sent += 2
         fresh.sock.close(linger=2000)  # delivered after the close, in the background
     rig.check_alive()

@@ -3,9 +3,9 @@
 Most tests run the trainer's real intake (``consumer.intake.Intake``, its ROUTER on loopback,
 its ``Ledger``) in-process with a recording enqueue callable (a real collaborator: it keeps
 what the intake hands over, with the connection index the intake chose), and real DEALER
-connections from ``tests.hostile.Peer``. With CURVE keys (``stagefeed keygen``), a connection's
-books are labelled by the key ZAP admitted it with. The last test checks the same labels on a
-real ``stagefeed train --curve-keys`` process, in its metrics and JSON summary.
+connections from ``tests.hostile.peers.Peer``. With CURVE keys (``stagefeed keygen``), a
+connection's books are labelled by the key ZAP admitted it with. The last test checks the same
+labels on a real ``stagefeed train --curve-keys`` process, in its metrics and JSON summary.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.intake import Intake
 
 from stagefeed.keygen import write_keys
-from tests import hostile, procs
+from tests import procs
 from tests.conftest import TINY, wait_for
+from tests.hostile import wire
+from tests.hostile.good_producer import start_good_producer
+from tests.hostile.peers import Peer
 
 SCHEMA = Schema((ArraySpec("x", "float32", (3,)), ArraySpec("y", "int32", (), bounds=(0, 10))), 2)
 WAIT_S = 10.0
@@ -63,16 +66,16 @@ class Running:
         ).start()
         self.endpoint = self.intake.endpoint
         self.ctx = zmq.Context()
-        self.peers: list[hostile.Peer] = []
+        self.peers: list[Peer] = []
 
-    def peer(self, configure=None, routing_id: bytes | None = None) -> hostile.Peer:
+    def peer(self, configure=None, routing_id: bytes | None = None) -> Peer:
         def setup(sock: zmq.Socket) -> None:
             if routing_id is not None:
                 sock.setsockopt(zmq.ROUTING_ID, routing_id)
             if configure is not None:
                 configure(sock)
 
-        p = hostile.Peer(self.ctx, self.endpoint, configure=setup, timeout_s=WAIT_S)
+        p = Peer(self.ctx, self.endpoint, configure=setup, timeout_s=WAIT_S)
         self.peers.append(p)
         return p
 
@@ -92,15 +95,15 @@ def running():
 
 
 def batch(seq: int) -> list[bytes]:
-    return [bytes(f) for f in protocol.encode_batch(seq, hostile.valid_arrays(SCHEMA))]
+    return [bytes(f) for f in protocol.encode_batch(seq, wire.valid_arrays(SCHEMA))]
 
 
-def send_valid(p: hostile.Peer, seqs, end: bool = False) -> None:
+def send_valid(p: Peer, seqs, end: bool = False) -> None:
     """Valid batches against credit; ``end``: then say so, handing unused credit back."""
     for seq in seqs:
         p.send_batch(batch(seq))
     if end:
-        p.send(hostile.control("end", seq=max(seqs) + 1))
+        p.send(wire.control("end", seq=max(seqs) + 1))
 
 
 def books(r: Running) -> dict[str, dict]:
@@ -146,7 +149,7 @@ def test_no_header_field_writes_into_another_connections_books(running):
         {"user_id": "victim"}, {"connection": victim_index}, {"key": "victim"},
     ]  # fmt: skip
     for fields in forged:
-        attacker.send(hostile.with_header(hostile.header(seq=3, **fields), *_xy()))
+        attacker.send(wire.with_header(wire.header(seq=3, **fields), *_xy()))
     # The victim's next sequence numbers, and ones it already used, sent by the attacker:
     # booked under the attacker, no duplicate nor gap on the victim.
     send_valid(attacker, [2, 3, 4])
@@ -174,7 +177,7 @@ def test_no_header_field_writes_into_another_connections_books(running):
 
 
 def _xy() -> tuple[bytes, bytes]:
-    (_, x), (_, y) = hostile.valid_arrays(SCHEMA)
+    (_, x), (_, y) = wire.valid_arrays(SCHEMA)
     return x.tobytes(), y.tobytes()
 
 
@@ -186,9 +189,9 @@ def test_a_claimed_routing_id_cannot_take_over_a_connection(running):
     send_valid(first, [0])
     settle(running, 1)
     claimant = running.peer(routing_id=b"producer-1")
-    claimant.send(hostile.hello("claimant"))
+    claimant.send(wire.hello("claimant"))
     claimant.send(batch(1))
-    claimant.send(hostile.with_header(hostile.header(seq=1, arrays=[]), b""))
+    claimant.send(wire.with_header(wire.header(seq=1, arrays=[]), b""))
     assert claimant.pump(1.0) == 0, claimant.replies  # no welcome: its messages reach nothing
     send_valid(first, [1, 2])
     settle(running, 3)
@@ -227,10 +230,10 @@ def test_a_batch_before_hello_books_nothing_under_any_name(running):
     assert summary["<unidentified>"]["dropped"] == {"no_hello": 1}
 
 
-def stop_first(producer, *peers: hostile.Peer) -> None:
+def stop_first(producer, *peers: Peer) -> None:
     """Stop the producers before the trainer, so no batch is in flight when it stops."""
     for peer in peers:
-        peer.send(hostile.control("end", seq=1))
+        peer.send(wire.control("end", seq=1))
         peer.close()
     producer.signal()
     producer.wait(30)
@@ -288,17 +291,20 @@ def test_trainer_labels_books_and_metrics_by_curve_key(tmp_path, keys):
     try:
         trainer = procs.Trainer(spawn, "--curve-keys", keys)
         pub0, pub1 = public_key(keys, "client-0"), public_key(keys, "client-1")
-        producer = hostile.start_good_producer(
+        producer = start_good_producer(
             spawn, trainer.endpoint, "4", tiny=TINY, curve_keys=os.path.join(keys, "client-0")
         )
         live = trainer.wait_metrics(lambda m: any(v >= 2 for v in m.trained.values()), 120)
         [good] = [k for k, v in live.trained.items() if v >= 2]
         assert good.endswith(f" key {pub0[:8]}"), good
         name = good[: -len(f" key {pub0[:8]}")]
-        other = hostile.Peer(ctx, trainer.endpoint,
-                             configure=curve.client_configurator(os.path.join(keys, "client-1")))
+        other = Peer(
+            ctx,
+            trainer.endpoint,
+            configure=curve.client_configurator(os.path.join(keys, "client-1")),
+        )
         assert other.hello(name)["t"] == "welcome"
-        other.send_batch(hostile.good_frames(0))
+        other.send_batch(wire.good_frames(0))
         mimic_label = f"{name} key {pub1[:8]}"
         live = trainer.wait_metrics(lambda m: m.received.get(mimic_label, 0) == 1, 30)
         assert live.received[mimic_label] == 1

@@ -1,0 +1,50 @@
+"""An in-process intake closed while a batch is in flight (``python -m tests.hostile
+stop-in-flight``, run in a child process by the hostile-input tests)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+from stagefeed.common import protocol
+from stagefeed.common.schema import Schema
+
+from tests.hostile.peers import Peer
+from tests.hostile.wire import valid_arrays
+
+
+def stop_with_batch_in_flight() -> int:
+    """``python -m tests.hostile stop-in-flight``: an in-process intake whose enqueue returns
+    only after ``close()`` was called (as a FIFOQueue enqueue cancelled at shutdown does).
+    Prints how long ``close()`` took; exits 0 if the process survived it.
+    """
+    from stagefeed.common.ledger import Ledger
+    from stagefeed.common.options import TrainerOptions
+    from stagefeed.common.schema import ArraySpec
+    from stagefeed.consumer.intake import Intake
+
+    schema = Schema((ArraySpec("x", "float32", (3,)),), 2)
+    entered, closing = threading.Event(), threading.Event()
+
+    def enqueue(arrays, index, seq) -> bool:
+        entered.set()
+        closing.wait(5)
+        time.sleep(0.3)  # the intake thread has seen the stop flag by now
+        return False  # "closed for shutdown"
+
+    options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=schema, queue_mb=1)
+    intake = Intake(options, schema, enqueue, Ledger()).start()
+    ctx = zmq.Context()
+    peer = Peer(ctx, intake.endpoint, timeout_s=10)
+    peer.hello("in-flight")
+    peer.send_batch(protocol.encode_batch(0, valid_arrays(schema)))
+    if not entered.wait(10):
+        return 2
+    began = time.monotonic()
+    threading.Timer(0.05, closing.set).start()
+    intake.close()
+    print(f"closed in {time.monotonic() - began:.2f} s", flush=True)
+    peer.close()
+    ctx.term()
+    return 0

@@ -1,0 +1,240 @@
+"""What every hostile-input test shares: the trainer under test (``Target``), its memory
+gauge (``PeakRss``), new connections to it, and the checks each case runs (``check_cases``:
+exactly the expected drops, training goes on, memory within the budget)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+import zmq
+
+from tests import procs
+from tests.hostile import wire
+from tests.hostile.peers import Peer
+
+MAX_MESSAGE_MB = 3
+# Peers that may hold a message in the trainer's ZeroMQ queues at once: the good producer,
+# the hostile DEALER of a test, and the two oversize senders.
+PEERS = 4
+# The trainer's byte budget (common/options.py, TrainerOptions) plus allocator retention.
+RSS_BUDGET_MIB = procs.trainer_budget_mib(PEERS, MAX_MESSAGE_MB) + procs.ALLOCATOR_ALLOWANCE_MIB
+WAIT_S = 60
+POLL_S = 0.05
+_names = itertools.count()
+
+
+class PeakRss:
+    """A process's peak RSS since ``reset()``: the kernel's VmHWM, reset through clear_refs.
+
+    A train step's working set comes and goes (here RSS swings by ~65 MiB within each step),
+    so peaks are compared with peaks: ``steady()`` is the peak over a window of several steps.
+    """
+
+    WINDOW_S = 2.0
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.reset_at = time.monotonic()
+
+    def _status(self, key: str) -> float:
+        with open(f"/proc/{self.pid}/status") as f:
+            return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+    def reset(self) -> None:
+        """Reset the high-water mark to the current RSS."""
+        with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+            f.write("5")
+        self.reset_at = time.monotonic()
+
+    def peak_mib(self, window: bool = False) -> float:
+        """The peak since ``reset()``; ``window``: after at least ``WINDOW_S`` since it."""
+        if window:
+            time.sleep(max(0.0, self.reset_at + self.WINDOW_S - time.monotonic()))
+        return self._status("VmHWM")
+
+    def steady(self) -> float:
+        """The peak over one window of steady training."""
+        self.reset()
+        return self.peak_mib(window=True)
+
+    def settled(self, timeout: float = 30.0) -> float:
+        """The steady peak once it stops creeping up (TensorFlow warms up for a few steps)."""
+        deadline = time.monotonic() + timeout
+        last = self.steady()
+        while time.monotonic() < deadline:
+            now = self.steady()
+            if now <= last + 2:
+                return max(now, last)
+            last = now
+        return last
+
+
+@dataclasses.dataclass
+class Target:
+    trainer: procs.Trainer
+    good: str | None  # the good producer's metrics label (None: labels are off)
+    good_proc: object  # its process
+    ctx: zmq.Context
+    baseline_mib: float  # the trainer's steady peak RSS once training settled
+    peak: PeakRss
+    high_mib: float = 0.0  # its peak RSS over every test so far
+    booked: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    cut_peers: int = 0
+    # Sockets closed only after the trainer stops: closing one is a disconnect it would count.
+    keep_open: list = dataclasses.field(default_factory=list)
+
+    def metrics(self) -> procs.Metrics:
+        return self.trainer.metrics()
+
+    def wait(self, predicate: Callable[[procs.Metrics], bool], timeout: float = WAIT_S):
+        """Scrape every ``POLL_S`` until ``predicate`` holds; the last scrape either way."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if predicate(m) or time.monotonic() >= deadline:
+                return m
+            time.sleep(POLL_S)
+
+
+def trained_total(m: procs.Metrics) -> int:
+    return int(m.samples.get(("stagefeed_steps_total", ()), 0))
+
+
+def good_trained(target: Target, m: procs.Metrics) -> int:
+    """The good producer's trained batches (all trained batches if labels are off)."""
+    if target.good is None:
+        return trained_total(m)
+    return m.trained.get(target.good, 0)
+
+
+def new_peer(target: Target, name: str | None = None, hello: bool = True) -> Peer:
+    """A new DEALER connection, kept open until the trainer stops; says hello as ``name``."""
+    p = Peer(target.ctx, target.trainer.endpoint, timeout_s=WAIT_S)
+    target.keep_open.append(p)
+    if hello:
+        reply = p.hello(name or f"hostile-{next(_names)}")
+        require(reply["t"] == "welcome", f"hello refused: {reply}")
+    return p
+
+
+def require(condition: bool, message: str) -> None:
+    """A precondition, not the property under test: fails (not xfails) a test marked xfail."""
+    if not condition:
+        pytest.fail(message)
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    keys = set(after) | set(before)
+    return {
+        k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)
+    }
+
+
+@dataclasses.dataclass
+class Case:
+    """Messages of one case and the drops they must cause, exactly.
+
+    ``credit``: each message is a batch that gets past the header: it is sent against a
+    credit, and the peer must get one ``dropped`` verdict per message with the reason booked.
+    """
+
+    id: str
+    messages: list[list]
+    expected: dict[str, int]
+    credit: bool = False
+
+
+def one(id: str, frames: list, reason: str, credit: bool = False) -> Case:
+    return Case(id, [frames], {reason: 1}, credit)
+
+
+def check_dropped(target: Target, peer: Peer, case: Case) -> procs.Metrics:
+    """Send the case's messages; the drop counters move by exactly ``case.expected``."""
+    before = target.metrics()
+    verdicts = len(peer.verdicts)
+    for frames in case.messages:
+        if case.credit:
+            peer.send_batch(frames)
+        else:
+            peer.send(frames)
+    want = sum(case.expected.values())
+    after = target.wait(lambda m: sum(delta(m.dropped, before.dropped).values()) >= want)
+    if case.credit:  # the verdicts come after the drops are booked
+        assert peer.wait(lambda: len(peer.verdicts) - verdicts >= len(case.messages)), case.id
+        after = target.metrics()
+    assert delta(after.dropped, before.dropped) == case.expected, case.id
+    target.booked.update(case.expected)
+    if case.credit:
+        reasons = collections.Counter(v["reason"] for v in peer.verdicts[verdicts:])
+        assert reasons == collections.Counter(case.expected), (case.id, peer.verdicts[verdicts:])
+    return after
+
+
+def check_cases(
+    target: Target, cases: list[Case], peer: Peer | None = None,
+    rise_mib: float | None = None,
+) -> procs.Metrics:  # fmt: skip
+    """Each case drops exactly what it says, then the trainer still trains, within memory.
+
+    ``peer``: the connection to send from (default: a new one per case that said hello).
+    Memory: the trainer's peak RSS during the cases stays within the budget above its steady
+    peak; ``rise_mib``: and within that much above the steady peak measured just before.
+    """
+    start = target.metrics()
+    steady = target.peak.steady() if rise_mib is not None else target.high_mib
+    target.peak.reset()
+    for case in cases:
+        if peer is not None:
+            check_dropped(target, peer, case)
+            continue
+        fresh = new_peer(target)
+        check_dropped(target, fresh, case)
+        fresh.send(wire.control("end", seq=0))  # its unused credit goes back to the pool
+    after = check_still_training(target, start)
+    check_peak(target, steady, rise_mib)
+    return after
+
+
+def check_peak(target: Target, steady: float, rise_mib: float | None = None) -> None:
+    """The trainer's peak RSS since the last reset is within the budget above the peak it had
+    before (it keeps freed memory: what a test needs beyond that is what it costs); and within
+    ``rise_mib`` of ``steady``, the steady peak measured just before."""
+    peak = target.peak.peak_mib(window=rise_mib is not None)
+    assert peak <= target.high_mib + RSS_BUDGET_MIB, (
+        f"trainer peak RSS {peak:.1f} MiB > its peak before {target.high_mib:.1f} MiB "
+        f"+ budget and allocator allowance {RSS_BUDGET_MIB:.1f} MiB"
+    )
+    if rise_mib is not None:
+        assert peak - steady <= rise_mib, (
+            f"trainer peak RSS {peak:.1f} MiB, {peak - steady:.1f} MiB above its steady peak "
+            f"just before ({steady:.1f} MiB); bound {rise_mib:.1f} MiB"
+        )
+    target.high_mib = max(target.high_mib, peak)
+
+
+def check_still_training(target: Target, since: procs.Metrics) -> procs.Metrics:
+    """The good producer's batches keep being trained; RSS stays within the byte budget."""
+    trainer = target.trainer
+    assert trainer.started.proc.poll() is None, procs.log_text(trainer.started)
+    was = good_trained(target, since)
+    now = target.wait(lambda m: good_trained(target, m) > was)
+    assert good_trained(target, now) > was, "the trainer stopped training on the good producer"
+    if target.good is not None:
+        assert now.missing.get(target.good, 0) == 0
+        assert now.received.get(target.good, 0) >= now.trained.get(target.good, 0)
+    rss = procs.rss_mib(trainer.pid)
+    assert rss <= target.high_mib + RSS_BUDGET_MIB, (
+        f"trainer RSS {rss:.1f} MiB > its peak before {target.high_mib:.1f} MiB "
+        f"+ budget and allocator allowance {RSS_BUDGET_MIB:.1f} MiB"
+    )
+    return now
+
+
+H = wire.header
+W = wire.with_header
