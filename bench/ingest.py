@@ -111,6 +111,7 @@ class _Clock:
         self.pool: ProducerPool | None = None
         self.books: Callable[[], Books] | None = None  # the trainer's ledger reads
         self.cpu_s: list[float | None] = []  # the feed path's, at the window's start and end
+        self.window_books: Books | None = None  # the ledger when the last timed step ended
 
     def on_step(self, record: StepRecord) -> None:
         assert self.books is not None, "set the clock's books before training"
@@ -125,6 +126,7 @@ class _Clock:
         if len(self.timed) >= self.count or self.outer.is_set():
             if self.start_at is not None and len(self.cpu_s) == 1:
                 self.cpu_s.append(_feed_cpu_s(self.pool))
+                self.window_books = self.books()
             self.done.set()
 
 
@@ -198,6 +200,9 @@ def measure_stagefeed(
         raise ClosedError(f"stopped after {len(clock.timed)} of {count} timed batches")
     elapsed = clock.timed[-1].at - clock.start_at
     totals = trainer.ledger.totals()
+    # Drops up to the window's end say whether the figure is sound; a batch in flight when its
+    # producer stopped is dropped after it (its pool is gone) and reported apart.
+    window_dropped = clock.window_books.totals.dropped if clock.window_books else totals.dropped
     return {
         "batches": count,
         "warmup_batches": clock.timed[0].step - 1,
@@ -208,7 +213,8 @@ def measure_stagefeed(
         # waited on delivery, i.e. the figure is the feed path's, not the consumer's.
         "consumer_wait_pct": round(100 * sum(r.wait_s for r in clock.timed) / elapsed, 2),
         "received": totals.received,
-        "dropped": totals.dropped,
+        "dropped": window_dropped,
+        "dropped_at_stop": totals.dropped - window_dropped,
         "device": trainer.device,
         "core_ms_per_batch": _per_batch_ms(clock.cpu_s, count),
         "shm": trainer.shm_stats(),

@@ -211,6 +211,11 @@ class Schema:
         return sum(self.array_bytes(a) for a in self.arrays)
 
     @property
+    def largest_array_bytes(self) -> int:
+        """Bytes of the batch's largest array: the largest block one batch needs."""
+        return max(self.array_bytes(a) for a in self.arrays)
+
+    @property
     def wire_dtype(self) -> str:
         """The dtype of the array that takes most bytes on the wire (what advice talks about)."""
         return max(self.arrays, key=self.array_bytes).dtype

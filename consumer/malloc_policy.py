@@ -33,17 +33,39 @@ M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int
 
+# glibc's HEAP_MAX_SIZE on 64-bit: a block larger than this never fits a thread arena's heap.
+THREAD_HEAP_BYTES = 64 * 2**20
+
 _lock = threading.Lock()
 _applied: bool | None = None  # the first call's outcome: the policy is process-wide
+_threads_before = 0  # threads running when it was applied: more than one means late
+_warned = False
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(largest_block: int | None = None) -> bool:
     """Apply the policy process-wide, once; return False (and say why) where it cannot be
-    applied. Later calls return the first call's outcome."""
-    global _applied
+    applied. Later calls return the first call's outcome.
+
+    ``largest_block``: the largest buffer the caller's batches need (its largest array, in
+    bytes). If the policy was applied after other threads started and blocks that large do not
+    fit a thread arena, a warning (once per process) says how to apply it in time; None counts
+    as large.
+    """
+    global _applied, _threads_before, _warned
     with _lock:
         if _applied is None:
+            _threads_before = _os_threads()
             _applied = _apply()
+        late = _applied and _threads_before > 1 and os.environ.get("MALLOC_ARENA_MAX") != "1"
+        large = largest_block is None or largest_block > THREAD_HEAP_BYTES
+        if late and large and not _warned:
+            _warned = True
+            log.warning(
+                "malloc policy applied with %d threads already running: batches those "
+                "threads allocate may still page-fault; call stagefeed.keep_freed_memory() "
+                "before importing TensorFlow, or set MALLOC_ARENA_MAX=1",
+                _threads_before,
+            )
         return _applied
 
 
@@ -59,7 +81,6 @@ def _apply() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    threads = _os_threads()  # before anything else runs: the figure the warning needs
     ok = (
         mallopt(M_ARENA_MAX, 1) == 1
         and mallopt(M_MMAP_MAX, 0) == 1
@@ -68,15 +89,7 @@ def _apply() -> bool:
     if not ok:
         log.warning("malloc policy not applied: mallopt refused; batches will page-fault")
         return False
-    if threads > 1 and os.environ.get("MALLOC_ARENA_MAX") != "1":
-        log.warning(
-            "malloc policy applied with %d threads already running: batches those threads "
-            "allocate may still page-fault; call stagefeed.keep_freed_memory() before "
-            "importing TensorFlow, or set MALLOC_ARENA_MAX=1",
-            threads,
-        )
-    else:
-        log.info("malloc: freed batch buffers are kept for reuse (one arena, mmap off, trim off)")
+    log.info("malloc: freed batch buffers are kept for reuse (one arena, mmap off, trim off)")
     return True
 
 

@@ -105,7 +105,6 @@ class Monitor:
         self.options = options
         self.progress = Progress(options.progress_s, stream)
         self.final: FinalFigures | None = None  # once started and closed
-        self.metrics_address = ""  # host:port of the Prometheus endpoint once started
         self.capacity_per_s = math.nan  # best unthrottled batches/s of one producer
         self._facts: RunFacts | None = None
         self._reader: RunReader | None = None
@@ -143,7 +142,6 @@ class Monitor:
                 opts.metrics_port,
                 producer_labels=opts.metrics_producer_labels,
             ).start()
-            self.metrics_address = self._metrics.address
         if opts.logdir is not None:
             from stagefeed.consumer.tensorboard import TensorBoardWriter
 

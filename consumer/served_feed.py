@@ -50,7 +50,7 @@ class ServedFeed(Feed):
             sink=self.ledger,
         )
         if options.keep_freed_memory:
-            malloc_policy.keep_freed_memory()
+            malloc_policy.keep_freed_memory(options.schema.largest_array_bytes)
         self.intake = Intake(options, options.schema, self.enqueue, self.ledger, configure_server)
         try:
             self.intake.start()

@@ -61,7 +61,7 @@ class Trainer(TrainerBase):
     def start(self) -> Trainer:
         options = self.options
         if options.keep_freed_memory:
-            malloc_policy.keep_freed_memory()
+            malloc_policy.keep_freed_memory(options.schema.largest_array_bytes)
         model_fn, ref = self.model_fn, options.model
         if model_fn is None:
             kind, model_fn = models.resolve(ref)

@@ -78,27 +78,31 @@ def test_kept_memory_holds_in_other_threads_for_blocks_over_64_mib():
 
 
 LATE_PROBE = """
-import logging, threading
+import logging, sys, threading
 from stagefeed.consumer.malloc_policy import keep_freed_memory
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 stop = threading.Event()
 worker = threading.Thread(target=stop.wait)
 worker.start()
 try:
-    assert keep_freed_memory()
-    assert keep_freed_memory()  # once per process: no second line
+    assert keep_freed_memory(64 * 2**20)  # fits a thread arena: late does not matter
+    print("MARK", file=sys.stderr, flush=True)
+    assert keep_freed_memory(158 * 10**6)  # does not: says so
+    assert keep_freed_memory(158 * 10**6)  # once per process: no second line
 finally:
     stop.set()
     worker.join()
 """
 
 
-def test_policy_applied_late_says_so_once():
+def test_policy_applied_late_says_so_once_for_blocks_a_thread_arena_cannot_hold():
     out = subprocess.run(
         [sys.executable, "-c", LATE_PROBE], capture_output=True, text=True, cwd=REPO, check=True,
         env={k: v for k, v in cli_env().items() if k != "MALLOC_ARENA_MAX"},
     )  # fmt: skip
-    lines = [line for line in out.stderr.splitlines() if "malloc" in line]
+    after_small = out.stderr.split("MARK\n", 1)[1]
+    assert out.stderr.count("WARNING") == after_small.count("WARNING"), out.stderr
+    lines = [line for line in after_small.splitlines() if line.startswith("WARNING")]
     assert len(lines) == 1, out.stderr
     assert re.match(r"WARNING malloc policy applied with \d+ threads already running", lines[0])
     assert "stagefeed.keep_freed_memory()" in lines[0] and "MALLOC_ARENA_MAX=1" in lines[0]
