@@ -91,7 +91,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--gb", type=float, default=3.0, help="GB moved per timed measurement [3]")
     p.add_argument("--repeats", type=int, default=3, help="measurements per peer; median [3]")
     _common(p)
-    p.set_defaults(func=_ingest)
+    # The trainer runs in this process: the command line applies its malloc policy first.
+    p.set_defaults(func=_ingest, trains_here=True)
 
 
 def _steps(args: argparse.Namespace) -> int:
@@ -124,11 +125,6 @@ def _steps(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from stagefeed.consumer import malloc_policy
-
-    # The trainer runs in this process: its malloc policy goes first, before TensorFlow's
-    # threads, as the command line does for the trainer (consumer/malloc_policy.py).
-    malloc_policy.keep_freed_memory()
     from stagefeed.bench.ingest import run_ingest
     from stagefeed.bench.table import ingest_table
 

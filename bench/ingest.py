@@ -13,11 +13,10 @@ it): the producer processes, and the trainer's intake, enqueue and pool threads 
 I/O threads; for raw pyzmq, the senders and the receiving process.
 
 Raw pyzmq's receiver runs in this process, so the trainer's malloc policy
-(``consumer.malloc_policy``, process-wide once applied) is applied before the first
-measurement (by ``bench.cli`` before TensorFlow is imported, as the command line does for the
-trainer): every raw figure of a run is then taken under the same heap settings as the
-trainer's, the stronger ceiling (without it the first raw measurement of a run page-faulted
-and later ones did not).
+(``consumer.malloc_policy``, process-wide once applied) is applied before the first measurement
+(by the command line before any other thread starts, as for ``stagefeed train``): every raw
+figure of a run is then taken under the same heap settings as the trainer's, the stronger
+ceiling (without it the first raw measurement of a run page-faulted and later ones did not).
 """
 
 from __future__ import annotations

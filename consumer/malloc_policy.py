@@ -12,10 +12,10 @@ arena of its own, whose heaps are at most 64 MiB: a larger block (a 158 MB float
 not fit there, and glibc maps it afresh whatever the mmap setting. ZeroMQ's I/O thread and the
 enqueue threads are such threads. So the policy also limits glibc to one arena, the main one,
 whose heap grows without that limit. That limit only holds for threads that have not allocated
-yet: applied once other threads run (TensorFlow imported first), some of them keep arenas of
-their own, and the policy says so. The command line applies it before TensorFlow is imported;
-in a user's script, ``stagefeed.keep_freed_memory()`` before ``import tensorflow`` (or
-``MALLOC_ARENA_MAX=1`` in the environment) does the same.
+yet: applied once other threads have allocated (TensorFlow imported and run first), those
+keep arenas of their own, and the policy says so (it counts glibc's arenas). The command line
+applies it before TensorFlow is imported; in a user's script, ``stagefeed.keep_freed_memory()``
+before ``import tensorflow`` (or ``MALLOC_ARENA_MAX=1`` in the environment) does the same.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import threading
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ THREAD_HEAP_BYTES = 64 * 2**20
 
 _lock = threading.Lock()
 _applied: bool | None = None  # the first call's outcome: the policy is process-wide
-_threads_before = 0  # threads running when it was applied: more than one means late
+_arenas_before = 0  # glibc's arenas when it was applied: more than one means late
 _warned = False
 
 
@@ -47,29 +46,29 @@ def keep_freed_memory(largest_block: int | None = None) -> bool:
     applied. Later calls return the first call's outcome.
 
     ``largest_block``: the largest buffer the caller's batches need (its largest array, in
-    bytes). If the policy was applied after other threads started and blocks that large do not
-    fit a thread arena, a warning (once per process) says how to apply it in time; None counts
-    as large.
+    bytes). If the policy was applied after other threads had arenas of their own and blocks
+    that large do not fit a thread arena, a warning (once per process) says how to apply it in
+    time; None counts as large.
     """
-    global _applied, _threads_before, _warned
+    global _applied, _warned
     with _lock:
         if _applied is None:
-            _threads_before = _os_threads()
             _applied = _apply()
-        late = _applied and _threads_before > 1 and os.environ.get("MALLOC_ARENA_MAX") != "1"
         large = largest_block is None or largest_block > THREAD_HEAP_BYTES
-        if late and large and not _warned:
+        if _applied and _arenas_before > 1 and large and not _warned:
             _warned = True
             log.warning(
-                "malloc policy applied with %d threads already running: batches those "
-                "threads allocate may still page-fault; call stagefeed.keep_freed_memory() "
-                "before importing TensorFlow, or set MALLOC_ARENA_MAX=1",
-                _threads_before,
+                "malloc policy applied when %d malloc arenas existed (threads had allocated "
+                "already): batches those threads allocate may still page-fault; call "
+                "stagefeed.keep_freed_memory() before importing TensorFlow, or set "
+                "MALLOC_ARENA_MAX=1",
+                _arenas_before,
             )
         return _applied
 
 
 def _apply() -> bool:
+    global _arenas_before
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -81,6 +80,7 @@ def _apply() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
+    _arenas_before = _arenas(libc)
     ok = (
         mallopt(M_ARENA_MAX, 1) == 1
         and mallopt(M_MMAP_MAX, 0) == 1
@@ -89,14 +89,33 @@ def _apply() -> bool:
     if not ok:
         log.warning("malloc policy not applied: mallopt refused; batches will page-fault")
         return False
-    log.info("malloc: freed batch buffers are kept for reuse (one arena, mmap off, trim off)")
+    # Debug: the command line applies it before its one-line start-up errors can be printed.
+    log.debug("malloc: freed batch buffers are kept for reuse (one arena, mmap off, trim off)")
     return True
 
 
-def _os_threads() -> int:
-    """Threads of this process, native ones included (TensorFlow's, ZeroMQ's) where /proc
-    tells; else the Python threads."""
+def _arenas(libc: ctypes.CDLL) -> int:
+    """glibc's arenas so far: the ``<heap>`` entries of ``malloc_info``; 0 where it cannot
+    tell (then no warning is given)."""
     try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
+        open_memstream, malloc_info = libc.open_memstream, libc.malloc_info
+        fclose, free = libc.fclose, libc.free
+    except AttributeError:
+        return 0
+    open_memstream.restype = ctypes.c_void_p
+    open_memstream.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
+    malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    fclose.argtypes = [ctypes.c_void_p]
+    free.argtypes = [ctypes.c_void_p]
+    buffer, size = ctypes.c_void_p(), ctypes.c_size_t()
+    stream = open_memstream(ctypes.byref(buffer), ctypes.byref(size))
+    if not stream:
+        return 0
+    try:
+        malloc_info(0, stream)
+    finally:
+        fclose(stream)  # sets buffer and size
+    try:
+        return ctypes.string_at(buffer.value, size.value).count(b"<heap nr=")
+    finally:
+        free(buffer)

@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_flags(p, steps=100)
     add_data_transport_flag(p)
     add_common_flags(p)
-    p.set_defaults(func=_train)
+    p.set_defaults(func=_train, trains_here=True)
 
     p = sub.add_parser("run", help="trainer + N producers on loopback: the main job")
     envflags.add(p, "--producers", type=int, default=2, help="producer processes")
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_flags(p, steps=30)
     add_producer_flags(p)
     add_common_flags(p)
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, trains_here=True)
 
     from stagefeed import health  # its own module: the container healthcheck
 
@@ -295,19 +295,9 @@ def _produce(args: argparse.Namespace) -> int:
         shutdown.finish()
 
 
-def keep_freed_memory_first(args: argparse.Namespace) -> None:
-    """The trainer's malloc policy before TensorFlow starts its threads: glibc's one-arena
-    limit holds only for threads that have not allocated yet (consumer/malloc_policy.py)."""
-    if not args.return_freed_memory:
-        from stagefeed.consumer import malloc_policy  # no TensorFlow there
-
-        malloc_policy.keep_freed_memory()
-
-
 def _train(args: argparse.Namespace) -> int:
     shutdown = Shutdown().install()
     try:
-        keep_freed_memory_first(args)
         from stagefeed.launcher import observe_options, train
 
         return train(trainer_options(args, args.bind), args.json, observe_options(args), shutdown)
@@ -318,12 +308,21 @@ def _train(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     shutdown = Shutdown().install()
     try:
-        keep_freed_memory_first(args)
         from stagefeed.launcher import run_local
 
         return run_local(args, trainer_options, producer_options, shutdown)
     finally:
         shutdown.finish()
+
+
+def keep_freed_memory_first(args: argparse.Namespace) -> None:
+    """A trainer command applies the trainer's malloc policy before any other thread starts
+    (the signal handling's, TensorFlow's): glibc's one-arena limit holds only while the main
+    arena is the only one (consumer/malloc_policy.py)."""
+    if getattr(args, "trains_here", False) and not getattr(args, "return_freed_memory", False):
+        from stagefeed.consumer import malloc_policy  # no TensorFlow there
+
+        malloc_policy.keep_freed_memory()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -333,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         setup_logging(getattr(logging, args.log_level.upper()))
+        keep_freed_memory_first(args)
         return args.func(args)
     except ConfigError as exc:
         print(f"stagefeed: error: {exc}", file=sys.stderr)

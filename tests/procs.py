@@ -195,22 +195,27 @@ def producer_ids_of(worker_pid: int, names: Iterable[str]) -> list[str]:
 def workers_of(started, count: int, timeout: float = 60) -> list[psutil.Process]:
     """The spawned producer processes of a ``stagefeed produce`` supervisor.
 
-    A worker is a child that runs a producer, not multiprocessing's resource tracker.
+    A worker is a child that multiprocessing's spawn started (``--multiprocessing-fork`` on its
+    command line), not its resource tracker: told apart by what they are, since a child that
+    was forked but has not exec'd yet still shows its parent's command line. The list returned
+    is the one that had ``count`` workers.
     """
     parent = psutil.Process(started.proc.pid)
+    seen: list[psutil.Process] = []
 
     def workers() -> list[psutil.Process]:
         found = []
         for child in parent.children():
             try:
-                if "resource_tracker" not in " ".join(child.cmdline()):
+                if "--multiprocessing-fork" in child.cmdline():
                     found.append(child)
             except psutil.NoSuchProcess:
                 continue
+        seen[:] = found
         return found
 
-    assert wait_for(lambda: len(workers()) == count, timeout), [p.cmdline() for p in workers()]
-    return workers()
+    assert wait_for(lambda: len(workers()) == count, timeout), [p.cmdline() for p in seen]
+    return list(seen)
 
 
 def rss_mib(pid: int) -> float:

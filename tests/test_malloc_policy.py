@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, TINY, cli_env, run_cli
 
 PROBE = """
 import resource, sys
@@ -81,9 +81,14 @@ LATE_PROBE = """
 import logging, sys, threading
 from stagefeed.consumer.malloc_policy import keep_freed_memory
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-stop = threading.Event()
-worker = threading.Thread(target=stop.wait)
+allocated, stop = threading.Event(), threading.Event()
+def worker_main():
+    block = bytes(200_000)  # over pymalloc's limit: glibc gives this thread an arena
+    allocated.set()
+    stop.wait()
+worker = threading.Thread(target=worker_main)
 worker.start()
+allocated.wait()
 try:
     assert keep_freed_memory(64 * 2**20)  # fits a thread arena: late does not matter
     print("MARK", file=sys.stderr, flush=True)
@@ -104,7 +109,7 @@ def test_policy_applied_late_says_so_once_for_blocks_a_thread_arena_cannot_hold(
     assert out.stderr.count("WARNING") == after_small.count("WARNING"), out.stderr
     lines = [line for line in after_small.splitlines() if line.startswith("WARNING")]
     assert len(lines) == 1, out.stderr
-    assert re.match(r"WARNING malloc policy applied with \d+ threads already running", lines[0])
+    assert re.match(r"WARNING malloc policy applied when 2 malloc arenas existed", lines[0])
     assert "stagefeed.keep_freed_memory()" in lines[0] and "MALLOC_ARENA_MAX=1" in lines[0]
 
 
@@ -145,3 +150,17 @@ def test_a_served_feed_applies_the_policy_its_options_ask_for():
 
     assert mapped("keep") == 0
     assert mapped("default") >= 40 * 2**20
+
+
+@pytest.mark.slow
+def test_the_command_line_applies_the_policy_before_any_other_arena_exists():
+    """``stagefeed run`` applies it before TensorFlow's threads allocate: no late warning,
+    and with ``--return-freed-memory`` it is not applied at all."""
+    flags = ["run", *TINY, "--steps", "2", "--producers", "1", "--log-level", "debug"]
+    done = run_cli(flags, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "malloc: freed batch buffers are kept for reuse (one arena" in done.stderr
+    assert "malloc policy applied when" not in done.stderr
+    done = run_cli([*flags, "--return-freed-memory"], timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "malloc: freed batch buffers are kept" not in done.stderr
