@@ -109,9 +109,8 @@ class Watch:
 def _workers_alive(started) -> int:
     try:
         parent = psutil.Process(started.proc.pid)
-        return sum(
-            "resource_tracker" not in " ".join(c.cmdline()) for c in parent.children()
-        )
+        # Spawned workers, not the resource tracker (tests.procs.workers_of says why).
+        return sum("--multiprocessing-fork" in c.cmdline() for c in parent.children())
     except psutil.Error:
         return 0
 
