@@ -92,7 +92,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="measurements per peer; median [3]")
     _common(p)
     # The trainer runs in this process: the command line applies its malloc policy first.
-    p.set_defaults(func=_ingest, trains_here=True)
+    p.set_defaults(func=_ingest, largest_block=_largest_images)
 
 
 def _steps(args: argparse.Namespace) -> int:
@@ -121,6 +121,14 @@ def _steps(args: argparse.Namespace) -> int:
     )
     return _run_and_report(
         "steps", lambda: run_steps(config, logging.getLogger().level), steps_table, args.json
+    )
+
+
+def _largest_images(args: argparse.Namespace) -> int:
+    """The largest array ``bench ingest`` will feed: the images of its widest dtype."""
+    return max(
+        image_schema(args.batch_size, args.image_size, dtype=dtype).largest_array_bytes
+        for dtype in args.dtypes
     )
 
 

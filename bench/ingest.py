@@ -279,7 +279,8 @@ def _compare(
 def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str, Any]:
     """Every (dtype, transport, producers) measurement; Ctrl-C stops between measurements."""
     conditions = machine()
-    conditions["malloc_policy"] = malloc_policy.keep_freed_memory()
+    largest = max(config.schema(dtype).largest_array_bytes for dtype in config.dtypes)
+    conditions["malloc_policy"] = malloc_policy.keep_freed_memory(largest)
     stop = threading.Event()
     restore = on_stop_signals(lambda _sig: stop.set())
     runs: list[dict[str, Any]] = []

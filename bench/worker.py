@@ -111,7 +111,8 @@ def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> No
         if name in POLICY_MODES:
             from stagefeed.consumer import malloc_policy
 
-            malloc_policy.keep_freed_memory()  # before TensorFlow's threads, as the CLI does
+            # Before TensorFlow's threads, as the command line does.
+            malloc_policy.keep_freed_memory(config.schema.largest_array_bytes)
         import tensorflow as tf
         from stagefeed.consumer.graph import pick_device
 

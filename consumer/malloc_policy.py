@@ -10,12 +10,14 @@ its high-water mark (which the byte budgets bound) rather than falling between b
 Disabling mmap is not enough on its own. A thread other than the main one allocates from an
 arena of its own, whose heaps are at most 64 MiB: a larger block (a 158 MB float32 batch) does
 not fit there, and glibc maps it afresh whatever the mmap setting. ZeroMQ's I/O thread and the
-enqueue threads are such threads. So the policy also limits glibc to one arena, the main one,
-whose heap grows without that limit. That limit only holds for threads that have not allocated
-yet: applied once other threads have allocated (TensorFlow imported and run first), those
-keep arenas of their own, and the policy says so (it counts glibc's arenas). The command line
-applies it before TensorFlow is imported; in a user's script, ``stagefeed.keep_freed_memory()``
-before ``import tensorflow`` (or ``MALLOC_ARENA_MAX=1`` in the environment) does the same.
+enqueue threads are such threads. So for batches with an array over 64 MiB the policy also
+limits glibc to one arena, the main one, whose heap grows without that limit (for smaller
+batches it does not: one heap keeps what every thread freed, a cost they need not pay). That
+limit only holds for threads that have not allocated yet: applied once other threads have
+allocated (TensorFlow imported and run first), those keep arenas of their own, and the policy
+says so (it counts glibc's arenas). The command line applies it before TensorFlow is imported;
+in a user's script, ``stagefeed.keep_freed_memory()`` before ``import tensorflow`` (or
+``MALLOC_ARENA_MAX=1`` in the environment) does the same.
 """
 
 from __future__ import annotations
@@ -36,39 +38,50 @@ TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int
 THREAD_HEAP_BYTES = 64 * 2**20
 
 _lock = threading.Lock()
-_applied: bool | None = None  # the first call's outcome: the policy is process-wide
-_arenas_before = 0  # glibc's arenas when it was applied: more than one means late
+_libc: ctypes.CDLL | None = None
+_applied: bool | None = None  # mmap and trim off: the first call's outcome, process-wide
+_one_arena = False  # the arena limit is on
 _warned = False
 
 
 def keep_freed_memory(largest_block: int | None = None) -> bool:
-    """Apply the policy process-wide, once; return False (and say why) where it cannot be
-    applied. Later calls return the first call's outcome.
+    """Apply the policy process-wide; return False (and say why) where it cannot be applied.
 
     ``largest_block``: the largest buffer the caller's batches need (its largest array, in
-    bytes). If the policy was applied after other threads had arenas of their own and blocks
-    that large do not fit a thread arena, a warning (once per process) says how to apply it in
-    time; None counts as large.
+    bytes; None: unknown, taken as large). mmap and trimming go off at the first call. The
+    one-arena limit is added only once a caller's blocks do not fit a thread arena: it is what
+    such blocks need, and it has a cost others need not pay (one heap keeps what every thread
+    freed, so bursts of small messages leave more behind). If other threads already had
+    arenas of their own by then, a warning (once per process) says how to apply it in time.
     """
-    global _applied, _warned
+    global _applied, _one_arena, _warned
     with _lock:
         if _applied is None:
             _applied = _apply()
         large = largest_block is None or largest_block > THREAD_HEAP_BYTES
-        if _applied and _arenas_before > 1 and large and not _warned:
+        if not (_applied and large) or _one_arena:
+            return bool(_applied)
+        assert _libc is not None
+        arenas = _arenas(_libc)  # before the limit: more than one means it comes late
+        _one_arena = _libc.mallopt(M_ARENA_MAX, 1) == 1
+        if _one_arena:
+            log.debug("malloc: one arena, so batch blocks over 64 MiB come from the heap too")
+        else:
+            log.warning("malloc arena limit refused: batches over 64 MiB will page-fault")
+        if _one_arena and arenas > 1 and not _warned:
             _warned = True
             log.warning(
                 "malloc policy applied when %d malloc arenas existed (threads had allocated "
                 "already): batches those threads allocate may still page-fault; call "
                 "stagefeed.keep_freed_memory() before importing TensorFlow, or set "
                 "MALLOC_ARENA_MAX=1",
-                _arenas_before,
+                arenas,
             )
-        return _applied
+        return True
 
 
 def _apply() -> bool:
-    global _arenas_before
+    global _libc
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -80,17 +93,13 @@ def _apply() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _arenas_before = _arenas(libc)
-    ok = (
-        mallopt(M_ARENA_MAX, 1) == 1
-        and mallopt(M_MMAP_MAX, 0) == 1
-        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-    )
+    ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
     if not ok:
         log.warning("malloc policy not applied: mallopt refused; batches will page-fault")
         return False
+    _libc = libc
     # Debug: the command line applies it before its one-line start-up errors can be printed.
-    log.debug("malloc: freed batch buffers are kept for reuse (one arena, mmap off, trim off)")
+    log.debug("malloc: freed batch buffers are kept for reuse (mmap off, trim off)")
     return True
 
 

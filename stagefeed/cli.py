@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_flags(p, steps=100)
     add_data_transport_flag(p)
     add_common_flags(p)
-    p.set_defaults(func=_train, trains_here=True)
+    p.set_defaults(func=_train, largest_block=_largest_array)
 
     p = sub.add_parser("run", help="trainer + N producers on loopback: the main job")
     envflags.add(p, "--producers", type=int, default=2, help="producer processes")
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_flags(p, steps=30)
     add_producer_flags(p)
     add_common_flags(p)
-    p.set_defaults(func=_run, trains_here=True)
+    p.set_defaults(func=_run, largest_block=_largest_array)
 
     from stagefeed import health  # its own module: the container healthcheck
 
@@ -318,11 +318,17 @@ def _run(args: argparse.Namespace) -> int:
 def keep_freed_memory_first(args: argparse.Namespace) -> None:
     """A trainer command applies the trainer's malloc policy before any other thread starts
     (the signal handling's, TensorFlow's): glibc's one-arena limit holds only while the main
-    arena is the only one (consumer/malloc_policy.py)."""
-    if getattr(args, "trains_here", False) and not getattr(args, "return_freed_memory", False):
+    arena is the only one (consumer/malloc_policy.py). ``args.largest_block``, set by the
+    commands that train in this process, gives the largest array of their batches."""
+    largest_block = getattr(args, "largest_block", None)
+    if largest_block is not None and not getattr(args, "return_freed_memory", False):
         from stagefeed.consumer import malloc_policy  # no TensorFlow there
 
-        malloc_policy.keep_freed_memory()
+        malloc_policy.keep_freed_memory(largest_block(args))
+
+
+def _largest_array(args: argparse.Namespace) -> int:
+    return schema_from(args).largest_array_bytes  # type: ignore[union-attr]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, TINY, cli_env, run_cli
+from tests.conftest import REPO, cli_env, run_cli
 
 PROBE = """
 import resource, sys
@@ -152,15 +152,22 @@ def test_a_served_feed_applies_the_policy_its_options_ask_for():
     assert mapped("default") >= 40 * 2**20
 
 
-@pytest.mark.slow
-def test_the_command_line_applies_the_policy_before_any_other_arena_exists():
-    """``stagefeed run`` applies it before TensorFlow's threads allocate: no late warning,
-    and with ``--return-freed-memory`` it is not applied at all."""
-    flags = ["run", *TINY, "--steps", "2", "--producers", "1", "--log-level", "debug"]
-    done = run_cli(flags, timeout=180)
-    assert done.returncode == 0, done.stderr
-    assert "malloc: freed batch buffers are kept for reuse (one arena" in done.stderr
+@pytest.mark.parametrize(
+    ("batch_size", "one_arena"), [(128, True), (2, False)], ids=["79MB-images", "tiny"]
+)
+def test_the_command_line_applies_the_policy_first_and_one_arena_for_large_arrays(
+    batch_size, one_arena
+):
+    """``stagefeed train`` applies it before any other thread has an arena (no late warning),
+    before its start-up checks; the one-arena limit only where an array is over 64 MiB (128
+    float32 227x227x3 images: 79 MB). ``--return-freed-memory``: not applied at all. A bad
+    flag stops each run at start, after the policy and before TensorFlow."""
+    flags = ["train", "--batch-size", str(batch_size), "--log-level", "debug",
+             "--metrics-port", "0", "--metrics-bind", "10.0.0.256"]  # fmt: skip
+    done = run_cli(flags, timeout=120)
+    assert done.returncode == 2 and "10.0.0.256" in done.stderr, done.stderr
+    assert "malloc: freed batch buffers are kept for reuse" in done.stderr
+    assert ("malloc: one arena" in done.stderr) == one_arena, done.stderr
     assert "malloc policy applied when" not in done.stderr
-    done = run_cli([*flags, "--return-freed-memory"], timeout=180)
-    assert done.returncode == 0, done.stderr
-    assert "malloc: freed batch buffers are kept" not in done.stderr
+    done = run_cli([*flags, "--return-freed-memory"], timeout=120)
+    assert done.returncode == 2 and "malloc:" not in done.stderr, done.stderr

@@ -6,6 +6,7 @@ per message is ``per_message_mib`` (the package's docstring says what it counts)
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -135,15 +136,19 @@ def test_a_batch_in_flight_at_stop_does_not_hang_the_intake():
     raises=AssertionError,
     reason="--max-message-mb becomes libzmq's ZMQ_MAXMSGSIZE (consumer/intake.py Intake.start), "
     "a limit per *frame*: libzmq buffers a whole multipart message before the intake sees its "
-    "first frame, so 32 frames of 3 MiB - 16 B (96 MiB, one message) all sit in the trainer "
-    "before it drops them as parts; TrainerOptions says max_message_mb caps each message",
+    "first frame, so frames of 3 MiB - 16 B all sit in the trainer (here more of them than its "
+    "whole RSS) before it drops them as parts; TrainerOptions says max_message_mb caps each "
+    "message",
 )
 def test_message_of_many_frames_each_under_max_message_mb(target, peer):
-    """Last but the summary: the trainer keeps (glibc, trim off) what libzmq allocated."""
-    frame = np.zeros(MAX_MESSAGE_MB * procs.MIB - 16, dtype=np.uint8)
-    frames = [H(), *[memoryview(frame)] * 32]
-    before = target.metrics()
+    """Last but the summary: the trainer keeps (glibc, one arena, trim off) what libzmq
+    allocated. The message is larger than the trainer's whole RSS plus 256 MiB: memory the
+    trainer freed earlier and kept is reused first, and can hide no more than that RSS."""
     steady = target.peak.steady()
+    frame = np.zeros(MAX_MESSAGE_MB * procs.MIB - 16, dtype=np.uint8)
+    count = math.ceil((steady + 256) / MAX_MESSAGE_MB)
+    frames = [H(), *[memoryview(frame)] * count]
+    before = target.metrics()
     target.peak.reset()
     peer.send(frames, copy=False)
     after = target.wait(lambda m: delta(m.dropped, before.dropped).get("parts", 0) >= 1)
