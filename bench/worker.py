@@ -108,11 +108,12 @@ def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     mode = None
     try:
+        largest = config.schema.largest_array_bytes
         if name in POLICY_MODES:
             from stagefeed.consumer import malloc_policy
 
-            # Before TensorFlow's threads, as the command line does.
-            malloc_policy.keep_freed_memory(config.schema.largest_array_bytes)
+            if largest > malloc_policy.THREAD_HEAP_BYTES:  # as the command line does
+                malloc_policy.keep_freed_memory(largest)  # before TensorFlow's threads
         import tensorflow as tf
         from stagefeed.consumer.graph import pick_device
 
