@@ -42,11 +42,9 @@ def test_kept_memory_avoids_page_faults_per_batch():
     assert kept * 50 < default
 
 
-THREAD_PROBE = """
-import ctypes, sys, threading
-import numpy as np
-from stagefeed.consumer.malloc_policy import keep_freed_memory
-
+# glibc's mallinfo2(): hblkhd is the bytes of blocks mapped apart from the heap.
+MALLINFO2 = """
+import ctypes
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
@@ -54,6 +52,12 @@ class MallInfo2(ctypes.Structure):
 
 mallinfo2 = ctypes.CDLL(None).mallinfo2
 mallinfo2.restype = MallInfo2
+"""
+
+THREAD_PROBE = MALLINFO2 + """
+import sys, threading
+import numpy as np
+from stagefeed.consumer.malloc_policy import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 mapped = []
@@ -113,19 +117,11 @@ def test_policy_applied_late_says_so_once_for_blocks_a_thread_arena_cannot_hold(
     assert "stagefeed.keep_freed_memory()" in lines[0] and "MALLOC_ARENA_MAX=1" in lines[0]
 
 
-SERVED_PROBE = """
-import ctypes, sys
+SERVED_PROBE = MALLINFO2 + """
+import sys
 import numpy as np
 from stagefeed import ServedFeed, TrainerOptions
 from stagefeed.common.schema import image_schema
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-mallinfo2 = ctypes.CDLL(None).mallinfo2
-mallinfo2.restype = MallInfo2
 options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=image_schema(2, 195), queue_mb=4,
                          keep_freed_memory=sys.argv[1] == "keep")
 ServedFeed(options).close()
