@@ -6,6 +6,7 @@ import json
 import math
 import re
 
+from tests import procs
 from tests.conftest import TINY, free_tcp_port
 
 pytestmark = __import__("pytest").mark.slow
@@ -85,13 +86,15 @@ def test_trainer_stopped_by_signal_accounts_for_what_it_holds(tmp_path, start_cl
 
     from tests.conftest import wait_for
 
-    port = free_tcp_port()
+    port, metrics_port = free_tcp_port(), free_tcp_port()
     summary_path = tmp_path / "summary.json"
     trainer = start_cli(
         [
             "train",
             "--bind",
             f"tcp://127.0.0.1:{port}",
+            "--metrics-port",
+            str(metrics_port),
             *TINY,
             "--steps",
             "0",
@@ -107,6 +110,13 @@ def test_trainer_stopped_by_signal_accounts_for_what_it_holds(tmp_path, start_cl
     producers = _start_producers(start_cli, port, max_batches=30)
     assert producers.wait(120) == 0, producers.output()
     assert wait_for(lambda: "step " in trainer.output(), 60), trainer.output()
+
+    def received() -> float:  # a producer's last batch may still be in the trainer's socket
+        return procs.Metrics.scrape(metrics_port).samples.get(
+            ("stagefeed_received_batches_total", ()), 0
+        )
+
+    assert wait_for(lambda: received() == 60, 30), received()
     trainer.signal(signal.SIGTERM)
     assert trainer.wait(20) == 0, trainer.output()
     summary = _summary(summary_path)
