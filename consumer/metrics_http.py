@@ -11,9 +11,10 @@ loopback unless told otherwise (``--metrics-bind``).
 
 Clients are served concurrently: the thread ``stagefeed-metrics-http`` accepts, and each
 connection gets a daemon thread ``stagefeed-metrics-client`` and at most ``CLIENT_TIMEOUT_S``
-in all (request and response; an idle or trickling client is cut then), so one slow client
-never delays a scrape. At most ``MAX_CLIENTS`` connections are served at once; more are closed
-at once. ``close()`` cuts every connection and returns within about a second.
+(10 s, as long as Prometheus waits for a scrape) in all, request and response: an idle or
+trickling client is cut then, so one slow client never delays a scrape. At most
+``MAX_CLIENTS`` connections are served at once; more are closed at once. ``close()`` cuts every
+connection and returns within about a second.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import MetricsHandler
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
+from stagefeed.consumer import heap
 from stagefeed.consumer.figures import RunFacts, Snapshot
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
-CLIENT_TIMEOUT_S = 2.0  # a connection's whole time: request in, response out
+# A connection's whole time, request in and response out: Prometheus's default scrape timeout.
+# Shorter cut real scrapes on a loaded host, where the client thread waits for the GIL (a
+# scrape then failed under load with 2 s).
+CLIENT_TIMEOUT_S = 10.0
 MAX_CLIENTS = 8
 JOIN_TIMEOUT_S = 1.0
 PREFIX = "stagefeed_"
@@ -98,6 +103,14 @@ class StagefeedCollector:
             "received_bytes", "Bytes of valid batches received", books.totals.received_bytes
         )
         yield gauge("producers_seen", "Producers that delivered a valid batch", books.delivering)
+        held = heap.read()
+        if held is not None:
+            yield gauge("heap_in_use_bytes", "Bytes allocated by malloc, not freed", held.in_use)
+            yield gauge(
+                "heap_free_bytes",
+                "Bytes freed and kept by malloc for reuse (part of the resident set)",
+                held.free,
+            )
 
         yield from self._per_producer(snap)
         dropped = CounterMetricFamily(
@@ -152,8 +165,11 @@ class _Server(HTTPServer):
 
     timeout = POLL_S  # handle_request() returns after this long without a connection
 
-    def __init__(self, address: tuple[str, int], handler: type, ipv6: bool) -> None:
+    def __init__(
+        self, address: tuple[str, int], handler: type, ipv6: bool, client_timeout_s: float
+    ) -> None:
         self.address_family = socket.AF_INET6 if ipv6 else socket.AF_INET
+        self.client_timeout_s = client_timeout_s
         self._lock = threading.Lock()
         self._clients: dict[socket.socket, float] = {}  # open connection -> its deadline
         self._client_threads: set[threading.Thread] = set()
@@ -168,7 +184,7 @@ class _Server(HTTPServer):
         with self._lock:
             full = len(self._clients) >= MAX_CLIENTS
             if not full:
-                self._clients[request] = time.monotonic() + CLIENT_TIMEOUT_S
+                self._clients[request] = time.monotonic() + self.client_timeout_s
         if full:
             log.debug("metrics client %s refused: %d connections open", client_address, MAX_CLIENTS)
             self.shutdown_request(request)
@@ -234,11 +250,13 @@ class MetricsServer:
         host: str,
         port: int,
         producer_labels: bool = False,
+        client_timeout_s: float = CLIENT_TIMEOUT_S,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StagefeedCollector(snapshot, facts, producer_labels))
         ProcessCollector(registry=self.registry)
         self._host, self._port = host.strip("[]"), port
+        self._client_timeout_s = client_timeout_s
         self._stop = threading.Event()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -249,11 +267,11 @@ class MetricsServer:
         handler = type(
             "StagefeedMetricsHandler",
             (MetricsHandler,),
-            {"registry": self.registry, "timeout": CLIENT_TIMEOUT_S},
+            {"registry": self.registry, "timeout": self._client_timeout_s},
         )
         ipv6 = ":" in self._host
         try:
-            self._server = _Server((self._host, self._port), handler, ipv6)
+            self._server = _Server((self._host, self._port), handler, ipv6, self._client_timeout_s)
         except (OSError, OverflowError) as exc:
             raise ConfigError(f"cannot serve metrics on {self._host}:{self._port}: {exc}") from None
         host, port = self._server.server_address[:2]
