@@ -199,8 +199,8 @@ def measure_stagefeed(
         raise ClosedError(f"stopped after {len(clock.timed)} of {count} timed batches")
     elapsed = clock.timed[-1].at - clock.start_at
     totals = trainer.ledger.totals()
-    # Drops up to the window's end say whether the figure is sound; a batch in flight when its
-    # producer stopped is dropped after it (its pool is gone) and reported apart.
+    # Drops up to the window's end say whether the figure is sound; any after it, while the
+    # run stops, are reported apart.
     window_dropped = clock.window_books.totals.dropped if clock.window_books else totals.dropped
     return {
         "batches": count,

@@ -274,6 +274,8 @@ class Intake:
         elif kind == "end":
             self._ledger.ended(conn.index, header["seq"])
             self._conns.end(conn)
+            if self.shm is not None:
+                self.shm.ended(conn.routing_id)
             self._any_ended = True
 
     def _on_hello(

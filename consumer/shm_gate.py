@@ -19,15 +19,18 @@ Invariants:
   name another's slots. A token is good for one offer, and only while its connection lives.
 - one pool per connection: an accepted offer replaces the connection's older pool (removed
   from the table; views still alive keep its memory mapped until they die).
-- a pool leaves the table when its channel reaches EOF (its producer exited, was killed, or
-  retired the pool after a new welcome); releases for a pool that left are not sent.
+- a pool leaves the table once its channel reached EOF (its producer exited, was killed, or
+  retired the pool after a new welcome) *and* no descriptor of it can still arrive: its
+  connection sent ``end``, was forgotten (silent, or revoked), or offered a newer pool. Until
+  then the pool stays readable, so a batch described just before its producer stopped (still
+  in ZeroMQ while the EOF came first) is trained, not dropped. Releases for a pool that left
+  are not sent.
 - every refusal is booked in the ledger under its reason (``shm_*``, ``spec_mismatch``),
   against the connection when it is known.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
@@ -56,7 +59,6 @@ THREAD_NAME = "stagefeed-shm-pools"
 POLL_MS = 100
 HANDSHAKE_S = 10.0  # a channel must present its token and offer within this
 MAX_POOLS = 64
-MAX_RETIRED = 4 * MAX_POOLS
 MAX_CHANNELS = 2 * MAX_POOLS
 JOIN_TIMEOUT_S = 3.0
 
@@ -93,9 +95,10 @@ class ShmGate:
         self._token_of: dict[bytes, str] = {}
         self._owner: dict[str, bytes] = {}  # live pool id -> routing id
         self._pool_of: dict[bytes, str] = {}
-        # Pools their producers closed, newest last (bounded): a descriptor still in ZeroMQ when
-        # its producer stopped arrives after the pool is gone, and its verdict says so.
-        self._retired: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        # Pools at EOF whose connection may still deliver descriptors (routing id -> pool), and
+        # connections with a pool that can deliver none any more (ended or forgotten).
+        self._closing: dict[bytes, str] = {}
+        self._done: set[bytes] = set()
         self._released: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._wake_lock = threading.RLock()  # a finalizer may run while this thread holds it
         self._wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -150,6 +153,7 @@ class ShmGate:
         earlier one of the connection."""
         token = secrets.token_hex(16)
         with self._lock:
+            self._done.discard(routing_id)  # said hello again: it may send descriptors
             old = self._token_of.pop(routing_id, None)
             self._tokens.pop(old, None)
             self._tokens[token] = (routing_id, index)
@@ -157,9 +161,23 @@ class ShmGate:
         return {"shm_socket": self.path, "shm_token": token, "shm_slots": self.sizing.slots}
 
     def forget(self, routing_id: bytes) -> None:
-        """The connection was forgotten: its token is void (its pool leaves at EOF)."""
+        """The connection was forgotten: its token is void, and its pool leaves at EOF (at
+        once if that came already)."""
         with self._lock:
             self._tokens.pop(self._token_of.pop(routing_id, ""), None)
+        self._no_more_descriptors(routing_id)
+
+    def ended(self, routing_id: bytes) -> None:
+        """The connection sent ``end``: its pool leaves at EOF (at once if that came already)."""
+        self._no_more_descriptors(routing_id)
+
+    def _no_more_descriptors(self, routing_id: bytes) -> None:
+        with self._lock:
+            closing = self._closing.get(routing_id)
+            if closing is None and routing_id in self._pool_of:
+                self._done.add(routing_id)
+        if closing is not None:
+            self._retire(routing_id, closing)
 
     def batch(self, routing_id: bytes, header: dict[str, Any]) -> protocol.Batch:
         """The read-only views of a ``shm_batch`` received on ``routing_id``'s connection;
@@ -172,13 +190,6 @@ class ShmGate:
             )
         with self._lock:
             owner = self._owner.get(pool_id)
-            retired_by = self._retired.get(pool_id)
-        if owner is None and retired_by == routing_id:
-            raise ProtocolError(
-                DropReason.SHM_POOL,
-                f"pool {pool_id!r} was closed by its producer before this batch arrived "
-                "(in flight when the producer stopped)",
-            )
         if owner is None:
             raise ProtocolError(DropReason.SHM_POOL, f"unknown pool {pool_id!r}")
         if owner != routing_id:
@@ -338,6 +349,8 @@ class ShmGate:
         with self._lock:
             old = self._pool_of.pop(peer.routing_id, None)
             self._owner.pop(old, None)
+            self._closing.pop(peer.routing_id, None)  # its descriptors now name the new pool
+            self._done.discard(peer.routing_id)
         if old is not None:
             self._table.remove(old)
         self._table.add(mapped)
@@ -353,15 +366,28 @@ class ShmGate:
         peer.channel.close()
         if peer.pool_id is None:
             return
+        assert peer.routing_id is not None
         with self._lock:
-            if self._owner.get(peer.pool_id) == peer.routing_id:
-                del self._owner[peer.pool_id]
-                del self._pool_of[peer.routing_id]
-                self._retired[peer.pool_id] = peer.routing_id
-                while len(self._retired) > MAX_RETIRED:
-                    self._retired.popitem(last=False)
-        self._table.remove(peer.pool_id)
-        log.info("pool %s: its producer closed the channel; unmapped once TF is done", peer.pool_id)
+            current = self._owner.get(peer.pool_id) == peer.routing_id
+            keep = current and peer.routing_id not in self._done
+            if keep:
+                self._closing[peer.routing_id] = peer.pool_id
+        if keep:
+            log.info("pool %s: its producer closed the channel; readable until its connection "
+                     "ends (batches may still be on their way)", peer.pool_id)  # fmt: skip
+            return
+        self._retire(peer.routing_id, peer.pool_id)
+
+    def _retire(self, routing_id: bytes, pool_id: str) -> None:
+        """The pool leaves the table (unmapped once TF is done with its slots). Idempotent."""
+        with self._lock:
+            if self._owner.get(pool_id) == routing_id:
+                del self._owner[pool_id]
+                del self._pool_of[routing_id]
+                self._closing.pop(routing_id, None)
+                self._done.discard(routing_id)
+        self._table.remove(pool_id)
+        log.info("pool %s: its producer closed it; unmapped once TF is done", pool_id)
 
     def _expire(self, poller: select.poll) -> None:
         now = time.monotonic()
