@@ -98,6 +98,17 @@ class Started:
 
 
 @pytest.fixture
+def spawn(tmp_path) -> Iterator:
+    """A ``tests.procs.Spawner`` logging to the test's folder; every group it started is ended
+    at teardown (a module may define its own ``spawn``)."""
+    from tests import procs  # it imports this module
+
+    spawner = procs.Spawner(tmp_path)
+    yield spawner
+    spawner.kill_all()
+
+
+@pytest.fixture
 def start_cli(tmp_path) -> Iterator:
     """``start_cli(args, name=...)`` -> Started; every group is killed at teardown."""
     started: list[Started] = []

@@ -186,6 +186,10 @@ class Metrics:
     def missing(self) -> dict[str, int]:
         return self._by_label("stagefeed_sequence_missing_batches", "producer")
 
+    @property
+    def heap_free_mib(self) -> float:
+        return self.samples[("stagefeed_heap_free_bytes", ())] / MIB
+
 
 def producer_ids_of(worker_pid: int, names: Iterable[str]) -> list[str]:
     """Producer ids (``host-PID-INDEX-NONCE``) that belong to the worker process ``worker_pid``."""
@@ -216,6 +220,52 @@ def workers_of(started, count: int, timeout: float = 60) -> list[psutil.Process]
 
     assert wait_for(lambda: len(workers()) == count, timeout), [p.cmdline() for p in seen]
     return list(seen)
+
+
+class PeakRss:
+    """A process's peak RSS since ``reset()``: the kernel's VmHWM, reset through clear_refs.
+
+    A train step's working set comes and goes (here RSS swings by ~65 MiB within each step),
+    so peaks are compared with peaks: ``steady()`` is the peak over a window of several steps.
+    """
+
+    WINDOW_S = 2.0
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.reset_at = time.monotonic()
+
+    def _status(self, key: str) -> float:
+        with open(f"/proc/{self.pid}/status") as f:
+            return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+    def reset(self) -> None:
+        """Reset the high-water mark to the current RSS."""
+        with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+            f.write("5")
+        self.reset_at = time.monotonic()
+
+    def peak_mib(self, window: bool = False) -> float:
+        """The peak since ``reset()``; ``window``: after at least ``WINDOW_S`` since it."""
+        if window:
+            time.sleep(max(0.0, self.reset_at + self.WINDOW_S - time.monotonic()))
+        return self._status("VmHWM")
+
+    def steady(self) -> float:
+        """The peak over one window of steady training."""
+        self.reset()
+        return self.peak_mib(window=True)
+
+    def settled(self, timeout: float = 30.0) -> float:
+        """The steady peak once it stops creeping up (TensorFlow warms up for a few steps)."""
+        deadline = time.monotonic() + timeout
+        last = self.steady()
+        while time.monotonic() < deadline:
+            now = self.steady()
+            if now <= last + 2:
+                return max(now, last)
+            last = now
+        return last
 
 
 def rss_mib(pid: int) -> float:

@@ -242,13 +242,6 @@ def test_produce_with_unusable_keys_fails_at_start(tmp_path):
     assert "nowhere" in done.stderr and "client.key_secret" in done.stderr
 
 
-@pytest.fixture
-def spawn(tmp_path):
-    spawner = procs.Spawner(tmp_path)
-    yield spawner
-    spawner.kill_all()
-
-
 @pytest.mark.slow
 def test_trainer_admits_only_producers_on_its_allow_list(spawn, keys):
     trainer = procs.Trainer(spawn, "--curve-keys", keys)

@@ -65,13 +65,6 @@ def test_run_over_shared_memory_accounts_for_every_batch_and_leaves_nothing(tmp_
     assert "Traceback" not in done.stderr
 
 
-@pytest.fixture
-def spawn(tmp_path):
-    spawner = procs.Spawner(tmp_path)
-    yield spawner
-    spawner.kill_all()
-
-
 def test_one_trainer_takes_shared_memory_and_curve_tcp_producers_at_once(spawn, tmp_path):
     keys = str(tmp_path / "keys")
     write_keys(keys, 2)

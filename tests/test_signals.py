@@ -40,13 +40,6 @@ BURST = [signal.SIGINT, signal.SIGTERM, signal.SIGINT]  # a user pressing Ctrl-C
 BURST_GAP_S = 0.3
 
 
-@pytest.fixture
-def spawn(tmp_path):
-    spawner = procs.Spawner(tmp_path)
-    yield spawner
-    spawner.kill_all()
-
-
 def _send(started, sig: int) -> None:
     try:
         if sig == signal.SIGINT:

@@ -13,7 +13,7 @@ from tests import procs
 from tests.conftest import REPO, TINY
 from tests.hostile import wire
 from tests.hostile.good_producer import start_good_producer
-from tests.hostile_input.harness import MAX_MESSAGE_MB, PeakRss, Target, new_peer, trained_total
+from tests.hostile_input.harness import MAX_MESSAGE_MB, Target, new_peer, trained_total
 
 GOOD_RATE = "4"  # batches/s: at least what the trainer takes, so its queue stays full
 PACKAGE = pathlib.Path(__file__).parent  # as pytest names its items' paths: not resolved
@@ -59,7 +59,7 @@ def target(tmp_path_factory):
         assert trained_total(steady) >= 4, procs.log_text(trainer.started) + procs.log_text(good)
         assert len(steady.trained) <= 1, steady.trained
         label = next(iter(steady.trained), None)
-        peak = PeakRss(trainer.pid)
+        peak = procs.PeakRss(trainer.pid)
         steady_peak = peak.settled()
         yield Target(trainer, label, good, ctx, steady_peak, peak, steady_peak)
     finally:

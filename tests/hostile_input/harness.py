@@ -1,5 +1,5 @@
 """What every hostile-input test shares: the trainer under test (``Target``), its memory
-gauge (``PeakRss``), new connections to it, and the checks each case runs (``check_cases``:
+gauge (``procs.PeakRss``), new connections to it, and the checks each case runs (``check_cases``:
 exactly the expected drops, training goes on, memory within the budget)."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import re
 import time
 from collections.abc import Callable
 
@@ -29,52 +28,6 @@ POLL_S = 0.05
 _names = itertools.count()
 
 
-class PeakRss:
-    """A process's peak RSS since ``reset()``: the kernel's VmHWM, reset through clear_refs.
-
-    A train step's working set comes and goes (here RSS swings by ~65 MiB within each step),
-    so peaks are compared with peaks: ``steady()`` is the peak over a window of several steps.
-    """
-
-    WINDOW_S = 2.0
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.reset_at = time.monotonic()
-
-    def _status(self, key: str) -> float:
-        with open(f"/proc/{self.pid}/status") as f:
-            return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) / 1024
-
-    def reset(self) -> None:
-        """Reset the high-water mark to the current RSS."""
-        with open(f"/proc/{self.pid}/clear_refs", "w") as f:
-            f.write("5")
-        self.reset_at = time.monotonic()
-
-    def peak_mib(self, window: bool = False) -> float:
-        """The peak since ``reset()``; ``window``: after at least ``WINDOW_S`` since it."""
-        if window:
-            time.sleep(max(0.0, self.reset_at + self.WINDOW_S - time.monotonic()))
-        return self._status("VmHWM")
-
-    def steady(self) -> float:
-        """The peak over one window of steady training."""
-        self.reset()
-        return self.peak_mib(window=True)
-
-    def settled(self, timeout: float = 30.0) -> float:
-        """The steady peak once it stops creeping up (TensorFlow warms up for a few steps)."""
-        deadline = time.monotonic() + timeout
-        last = self.steady()
-        while time.monotonic() < deadline:
-            now = self.steady()
-            if now <= last + 2:
-                return max(now, last)
-            last = now
-        return last
-
-
 @dataclasses.dataclass
 class Target:
     trainer: procs.Trainer
@@ -82,7 +35,7 @@ class Target:
     good_proc: object  # its process
     ctx: zmq.Context
     baseline_mib: float  # the trainer's steady peak RSS once training settled
-    peak: PeakRss
+    peak: procs.PeakRss
     high_mib: float = 0.0  # its peak RSS over every test so far
     booked: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     cut_peers: int = 0
