@@ -26,12 +26,17 @@ GOOD = [("x", np.ones((2, 4), np.float32)), ("y", np.array([1, 2], np.int64))]
 
 
 class Recorder:
+    """Records what it was given; clear ``open`` to hold enqueues (no credit comes back)."""
+
     def __init__(self) -> None:
         self.got: list[tuple[int, int]] = []
         self.lock = threading.Lock()
+        self.open = threading.Event()
+        self.open.set()
 
     def __call__(self, arrays, peer: int, seq: int) -> bool:
         assert set(arrays) == {"x", "y"}
+        assert self.open.wait(30), "held for 30 s"
         with self.lock:
             self.got.append((peer, seq))
         return True
@@ -124,9 +129,14 @@ def test_a_batch_before_hello_or_without_credit_is_dropped_and_the_producer_told
     sock.send_multipart(protocol.encode_batch(0, GOOD))
     assert _reply(sock)["reason"] == "no_hello"
     _hello(sock)
+    # Enqueues held: no credit comes back for the first two while the third arrives (a fast
+    # enqueue could otherwise return one first, and the third would be covered by it).
+    intake.recorder.open.clear()
     for seq in range(3):  # two credits granted: the third is not
         sock.send_multipart(protocol.encode_batch(seq, GOOD))
-    verdicts = _replies(sock, lambda r: any(v["t"] == "dropped" for v in r) and _credit(r) >= 2)
+    verdicts = _replies(sock, lambda r: any(v["t"] == "dropped" for v in r))
+    intake.recorder.open.set()
+    verdicts += _replies(sock, lambda r: _credit(verdicts + r) >= 2)
     dropped = [v for v in verdicts if v["t"] == "dropped"]
     assert [(v["seq"], v["reason"]) for v in dropped] == [(2, "no_credit")]
     assert intake.ledger.drops_by_reason() == {"no_hello": 1, "no_credit": 1}

@@ -15,7 +15,7 @@ from stagefeed.common.errors import ConfigError, DropReason
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer.figures import RunFacts, RunReader, StepCounters, take_snapshot
-from stagefeed.consumer.metrics_http import MAX_CLIENTS, MetricsServer
+from stagefeed.consumer.metrics_http import CLIENT_TIMEOUT_S, MAX_CLIENTS, MetricsServer
 from stagefeed.consumer.monitor import ObserveOptions
 from stagefeed.consumer.trainer import StepRecord
 
@@ -127,13 +127,14 @@ CLIENT_S = 1.0
 
 
 def _served(
-    port: int = 0, producer_labels: bool = False, host: str = "127.0.0.1"
-) -> tuple[MetricsServer, Ledger, StepCounters]:
+    port: int = 0, producer_labels: bool = False, host: str = "127.0.0.1",
+    client_s: float = CLIENT_S,
+) -> tuple[MetricsServer, Ledger, StepCounters]:  # fmt: skip
     """A server reading a real ledger and counters, the queue 3 batches full."""
     ledger, counters = Ledger(), StepCounters(FACTS.queue_capacity)
     reader = RunReader(queue_batches=lambda: 3, books=ledger.read)
     server = MetricsServer(
-        lambda: take_snapshot(counters, reader), FACTS, host, port, producer_labels, CLIENT_S
+        lambda: take_snapshot(counters, reader), FACTS, host, port, producer_labels, client_s
     )
     return server.start(), ledger, counters
 
@@ -283,7 +284,7 @@ def test_a_trickling_client_is_cut_at_the_client_limit_not_per_byte() -> None:
 
 
 def test_connections_beyond_the_limit_are_refused_and_close_cuts_the_rest() -> None:
-    server, _, _ = _served()
+    server, _, _ = _served(client_s=CLIENT_TIMEOUT_S)  # all held while the ninth comes
     try:
         held = [_idle(server.address) for _ in range(MAX_CLIENTS)]
         assert wait_for(lambda: len(server._server.client_threads()) == MAX_CLIENTS, 10)
