@@ -21,10 +21,10 @@ Invariants:
   from the table; views still alive keep its memory mapped until they die).
 - a pool leaves the table once its channel reached EOF (its producer exited, was killed, or
   retired the pool after a new welcome) *and* no descriptor of it can still arrive: its
-  connection sent ``end``, was forgotten (silent, or revoked), or offered a newer pool. Until
-  then the pool stays readable, so a batch described just before its producer stopped (still
-  in ZeroMQ while the EOF came first) is trained, not dropped. Releases for a pool that left
-  are not sent.
+  connection sent ``end``, was forgotten (silent for ``producer_timeout_s``), or offered a
+  newer pool. Until then the pool stays readable, so a batch described just before its
+  producer stopped (still in ZeroMQ while the EOF came first) is trained, not dropped.
+  Releases for a pool that left are not sent.
 - every refusal is booked in the ledger under its reason (``shm_*``, ``spec_mismatch``),
   against the connection when it is known.
 """
