@@ -224,6 +224,15 @@ class TrainerOptions:
         """FIFOQueue capacity in batches, derived from the byte budget."""
         return max(1, int(self.queue_mb * MIB) // self.schema.batch_bytes)
 
+    def held_bytes_bound(self, connections: int) -> int:
+        """The class docstring's bound on batch bytes the trainer holds, with ``connections``
+        producers connected (each may add its receive high-water mark of 2 messages)."""
+        batch = self.schema.batch_bytes
+        in_flight = (self.stage_depth + 1) + (self.recv_threads + 2) + self.recv_threads
+        return (
+            (self.queue_capacity + in_flight) * batch + 2 * connections * self.max_message_bytes
+        )
+
     @property
     def max_message_bytes(self) -> int:
         if self.max_message_mb:

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from typing import Any
 
+from stagefeed.consumer import heap
 from stagefeed.consumer.monitor import FinalFigures
 from stagefeed.consumer.trainer import Trainer
+
+MIB = 2**20
 
 
 def summarize(
@@ -32,7 +36,7 @@ def summarize(
         "batch_size": spec.batch_size,
         "schema": spec.describe(),
         "wire_dtype": spec.wire_dtype,
-        "batch_mb": round(spec.batch_bytes / 2**20, 3),
+        "batch_mb": round(spec.batch_bytes / MIB, 3),
         "recv_threads": options.recv_threads,
         "queue_capacity": options.queue_capacity,
         "stage_depth": options.stage_depth,
@@ -62,12 +66,40 @@ def summarize(
         "data_ended": trainer.data_ended,
         "connections": trainer.ledger.peer_events(),
         "producers": trainer.ledger.summary(),
+        "memory": _memory(trainer),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if final is not None:
         summary["advice"] = final.advice.text
         summary["bottleneck"] = final.advice.kind
     return summary
+
+
+def _memory(trainer: Trainer) -> dict[str, Any]:
+    """The process's peak RSS against the bound on batch bytes held, and what malloc holds:
+    with the malloc policy freed buffers stay resident, so RSS less ``heap_free_mb`` is what
+    the trainer holds (docs/observability.md)."""
+    # Every producer the trainer saw counts, as if all were still connected.
+    producers = trainer.ledger.producer_count()
+    held = heap.read()
+    return {
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "held_bound_mb": round(trainer.options.held_bytes_bound(producers) / MIB, 1),
+        "bound_producers": producers,
+        "heap_in_use_mb": round(held.in_use / MIB, 1) if held else None,
+        "heap_free_mb": round(held.free / MIB, 1) if held else None,
+    }
+
+
+def _memory_line(s: dict[str, Any]) -> str:
+    m = s["memory"]
+    line = (
+        f"  memory: peak RSS {m['peak_rss_mb']} MiB; batch bytes held at most "
+        f"{m['held_bound_mb']} MiB ({m['bound_producers']} producers)"
+    )
+    if m["heap_free_mb"] is None:
+        return line
+    return f"{line}; malloc {m['heap_in_use_mb']} MiB in use, {m['heap_free_mb']} MiB kept freed"
 
 
 def _or_nan(value: float | None) -> float:
@@ -119,6 +151,7 @@ def format_text(summary: dict[str, Any]) -> str:
         f"{b['not_enqueued']}, dropped {b['dropped']}, "
         f"missing (sequence gaps) {b['seq_missing']}",
     ]
+    lines.append(_memory_line(s))
     if s["dropped_by_reason"]:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
         lines.append(f"  dropped by reason: {reasons}")

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+from stagefeed.common.options import TrainerOptions
+from stagefeed.common.schema import image_schema
 
 from tests.conftest import TINY, Started, free_tcp_port, wait_for
 
@@ -34,18 +36,13 @@ TRAINER_FLAGS = [
 ALLOCATOR_ALLOWANCE_MIB = 96
 
 
-def trainer_budget_mib(
-    producers: int, max_message_mb: float = 0.0, stage_depth: int = 2, recv_threads: int = 2
-) -> float:
-    """The trainer's bound on bytes held (``TrainerOptions`` docstring) for these tests: the
-    queue, staged batches and the one in a step, the credit pool (``recv_threads + 2``),
-    TensorFlow's copy per enqueue thread, and a receive high-water mark of 2 messages per
-    connection for peers that ignore flow control.
-    """
-    batch = BATCH_BYTES / MIB
-    message = max_message_mb or batch + 1
-    held = (stage_depth + 1) + (recv_threads + 2) + recv_threads
-    return QUEUE_MB + held * batch + 2 * producers * message
+def trainer_budget_mib(producers: int, max_message_mb: float = 0.0) -> float:
+    """The trainer's bound on bytes held (``TrainerOptions.held_bytes_bound``) for these
+    tests' trainers (``TINY`` batches, ``QUEUE_MB``), ``producers`` connected."""
+    options = TrainerOptions(
+        schema=image_schema(batch_size=2), queue_mb=QUEUE_MB, max_message_mb=max_message_mb
+    )
+    return options.held_bytes_bound(producers) / MIB
 
 
 class Spawner:

@@ -146,6 +146,15 @@ def test_the_summary_takes_the_final_figures_as_they_are() -> None:
     assert (summary["advice"], summary["bottleneck"]) == (final.advice.text, final.advice.kind)
     assert "advice: " + final.advice.text in format_text(summary)
 
+    # Memory: this process's peak RSS, the options' bound for the producers seen (none: no
+    # connection adds its high-water mark), and malloc's figures.
+    memory = summary["memory"]
+    assert memory["held_bound_mb"] == round(trainer.options.held_bytes_bound(0) / 2**20, 1)
+    assert memory["bound_producers"] == 0
+    assert memory["peak_rss_mb"] > memory["heap_in_use_mb"] > 0  # TensorFlow is imported
+    assert memory["heap_free_mb"] >= 0
+    assert f"memory: peak RSS {memory['peak_rss_mb']} MiB" in format_text(summary)
+
     never = summarize(trainer, None, wall_s=1.0, interrupted=True)
     assert never["median_ms"] is never["stall_pct"] is never["images_per_s"] is None
     assert "advice" not in never and "bottleneck" not in never

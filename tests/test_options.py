@@ -145,3 +145,14 @@ def test_cli_reads_the_paths_from_the_environment_too(without_tensorflow):
     assert done.stderr.splitlines() == [
         "stagefeed: error: --json '/proc/x.json' cannot be written: No such file or directory"
     ]
+
+
+def test_the_bound_on_bytes_held_is_the_documented_one() -> None:
+    """docs/guarantees.md: with the defaults of ``stagefeed train`` (batch 256 float32), 3321
+    MiB of batch data whatever the number of producers that follow the protocol, plus 2
+    messages per connection that does not."""
+    options = TrainerOptions()
+    batch = options.schema.batch_bytes
+    assert options.queue_capacity == 13
+    assert round(options.held_bytes_bound(0) / 2**20) == 3321
+    assert options.held_bytes_bound(3) - options.held_bytes_bound(0) == 3 * 2 * (batch + 2**20)
