@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class HeapBytes:
 
 
 @functools.cache
-def _mallinfo2() -> ctypes._CFuncPtr | None:
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
     try:
         function = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError) as exc:
