@@ -42,19 +42,13 @@ def test_kept_memory_avoids_page_faults_per_batch():
     assert kept * 50 < default
 
 
-# glibc's mallinfo2(): hblkhd is the bytes of blocks mapped apart from the heap.
-MALLINFO2 = """
-import ctypes
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-mallinfo2 = ctypes.CDLL(None).mallinfo2
-mallinfo2.restype = MallInfo2
+# Bytes of blocks glibc mapped apart from its heaps (mallinfo2's hblkhd).
+MAPPED = """
+from stagefeed.consumer.heap import read as heap_read
+mapped_apart = lambda: heap_read().mapped_apart
 """
 
-THREAD_PROBE = MALLINFO2 + """
+THREAD_PROBE = MAPPED + """
 import sys, threading
 import numpy as np
 from stagefeed.consumer.malloc_policy import keep_freed_memory
@@ -62,9 +56,9 @@ if sys.argv[1] == "keep":
     assert keep_freed_memory()
 mapped = []
 def batch():  # as ZeroMQ's I/O thread and the enqueue threads do
-    before = mallinfo2().hblkhd
+    before = mapped_apart()
     block = np.empty(100 * 2**20, np.uint8)  # more than a thread arena's 64 MiB heap holds
-    mapped.append(mallinfo2().hblkhd - before)
+    mapped.append(mapped_apart() - before)
     del block
 thread = threading.Thread(target=batch)
 thread.start()
@@ -76,7 +70,7 @@ print(mapped[0])
 def test_kept_memory_holds_in_other_threads_for_blocks_over_64_mib():
     """A thread allocates from its own arena, whose heaps cannot hold a 158 MB batch: without
     the one-arena limit glibc maps such a block afresh (and faults it in) every time, whatever
-    the mmap setting. Its mapped bytes are counted by ``mallinfo2().hblkhd``."""
+    the mmap setting. Its mapped bytes are counted by ``HeapBytes.mapped_apart`` (mallinfo2)."""
     assert _faults("keep", THREAD_PROBE) == 0
     assert _faults("default", THREAD_PROBE) >= 100 * 2**20
 
@@ -117,7 +111,7 @@ def test_policy_applied_late_says_so_once_for_blocks_a_thread_arena_cannot_hold(
     assert "stagefeed.keep_freed_memory()" in lines[0] and "MALLOC_ARENA_MAX=1" in lines[0]
 
 
-SERVED_PROBE = MALLINFO2 + """
+SERVED_PROBE = MAPPED + """
 import sys
 import numpy as np
 from stagefeed import ServedFeed, TrainerOptions
@@ -125,9 +119,9 @@ from stagefeed.common.schema import image_schema
 options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=image_schema(2, 195), queue_mb=4,
                          keep_freed_memory=sys.argv[1] == "keep")
 ServedFeed(options).close()
-before = mallinfo2().hblkhd
+before = mapped_apart()
 batch = np.ones(40 * 2**20, np.uint8)  # above glibc's largest mmap threshold
-print(mallinfo2().hblkhd - before)
+print(mapped_apart() - before)
 """
 
 
