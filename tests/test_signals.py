@@ -270,7 +270,9 @@ def test_produce_signalled_repeatedly_while_it_cannot_reach_the_trainer(spawn):
 @pytest.fixture
 def deaf_trainer():
     """A ROUTER that welcomes two producers with plenty of credit, then never reads again:
-    finished producers linger, unable to deliver."""
+    finished producers linger, unable to deliver. Both are welcomed once both said hello, so
+    no batch is ever read (one welcomed first could deliver all of its batches while the
+    other's hello was awaited, and then not linger)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.RCVHWM, 1)
@@ -280,18 +282,20 @@ def deaf_trainer():
     stop = threading.Event()
 
     def welcome_two() -> None:
-        welcomed = 0
-        while welcomed < 2 and not stop.is_set():
+        said_hello: list[bytes] = []
+        while len(said_hello) < 2 and not stop.is_set():
             if not sock.poll(100):
                 continue
             routing_id, raw, *_ = sock.recv_multipart()
-            if protocol.decode_header(raw, protocol.FROM_PRODUCER)["t"] == "hello":
-                welcome = protocol.encode_control(
-                    "welcome", schema=image_schema(batch_size=2).to_dict(),
-                    max_message=2**24, credit=100,
-                )  # fmt: skip
-                sock.send_multipart([routing_id, welcome])
-                welcomed += 1
+            hello = protocol.decode_header(raw, protocol.FROM_PRODUCER)["t"] == "hello"
+            if hello and routing_id not in said_hello:  # a producer may say it again
+                said_hello.append(routing_id)
+        welcome = protocol.encode_control(
+            "welcome", schema=image_schema(batch_size=2).to_dict(), max_message=2**24,
+            credit=100,
+        )  # fmt: skip
+        for routing_id in said_hello:
+            sock.send_multipart([routing_id, welcome])
 
     thread = threading.Thread(target=welcome_two, name="deaf-trainer")
     thread.start()
