@@ -116,6 +116,11 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add(g, "--stage-depth", type=int, default=2, help="batches staged on the device")
     envflags.add(g, "--device", default="auto", choices=("auto", "cpu", "gpu"), help="train on")
     envflags.add(g, "--max-message-mb", type=float, default=0.0, help="0: one batch + 1 MiB")
+    envflags.add(
+        g, "--producer-timeout-s", type=float, default=10.0,
+        help="a producer connection silent this long is forgotten: its credit returns, its "
+        "shared-memory pool is unmapped (producers ping every 2 s while idle)",
+    )  # fmt: skip
     envflags.add(g, "--json", default=None, help="write the summary as JSON to this path")
     envflags.add(g, "--progress-s", type=float, default=5.0, help="seconds between progress lines")
     envflags.add(g, "--logdir", default=None, help="write TensorBoard scalars to this directory")
@@ -211,6 +216,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         stage_depth=args.stage_depth,
         device=args.device,
         max_message_mb=args.max_message_mb,
+        producer_timeout_s=args.producer_timeout_s,
         curve_keys=args.curve_keys,
         keep_freed_memory=not args.return_freed_memory,
         transport=data_transport(args),

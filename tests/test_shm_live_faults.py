@@ -38,7 +38,8 @@ def _states(memory: mmap.mmap) -> list[int]:
 
 def test_producer_killed_mid_write_its_torn_slot_is_never_trained(spawn):
     before = dev_shm()
-    trainer = shm_procs.CanaryTrainer(spawn)
+    # The victim's pool is unmapped once its connection is forgotten: after 3 s of silence.
+    trainer = shm_procs.CanaryTrainer(spawn, "--producer-timeout-s", "3")
     survivor = shm_procs.produce(spawn, trainer.endpoint, "--rate", "40", name="survivor")
     victim = shm_procs.produce(
         spawn, trainer.endpoint, name="victim", env=cli_env(**SLOW_FILL)

@@ -29,7 +29,7 @@ from tests.hostile_input.harness import (
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
 
 LIVE_CONNECTIONS = 256  # consumer/intake.py MAX_LIVE_CONNECTIONS
-PRODUCER_TIMEOUT_S = 10.0  # TrainerOptions.producer_timeout_s (no flag)
+PRODUCER_TIMEOUT_S = 10.0  # the default of --producer-timeout-s
 TRAINER_SCHEMA = image_schema(batch_size=2)
 
 
