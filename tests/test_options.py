@@ -156,3 +156,13 @@ def test_the_bound_on_bytes_held_is_the_documented_one() -> None:
     assert options.queue_capacity == 13
     assert round(options.held_bytes_bound(0) / 2**20) == 3321
     assert options.held_bytes_bound(3) - options.held_bytes_bound(0) == 3 * 2 * (batch + 2**20)
+
+
+def test_the_producer_timeout_flag_reaches_the_options_and_a_bad_one_fails_at_start() -> None:
+    from stagefeed.cli import build_parser, trainer_options
+
+    args = build_parser().parse_args(["train", "--producer-timeout-s", "3.5"])
+    assert trainer_options(args, "tcp://127.0.0.1:*").producer_timeout_s == 3.5
+    done = run_cli(["train", "--producer-timeout-s", "0"])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "stagefeed: error: producer_timeout_s must be > 0, got 0.0"
