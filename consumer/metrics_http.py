@@ -108,7 +108,7 @@ class StagefeedCollector:
             yield gauge("heap_in_use_bytes", "Bytes allocated by malloc, not freed", held.in_use)
             yield gauge(
                 "heap_free_bytes",
-                "Bytes freed and kept by malloc for reuse (part of the resident set)",
+                "Bytes freed and kept by malloc for reuse (resident only where once written)",
                 held.free,
             )
 

@@ -76,9 +76,8 @@ def summarize(
 
 
 def _memory(trainer: Trainer) -> dict[str, Any]:
-    """The process's peak RSS against the bound on batch bytes held, and what malloc holds:
-    with the malloc policy freed buffers stay resident, so RSS less ``heap_free_mb`` is what
-    the trainer holds (docs/observability.md)."""
+    """The process's peak RSS against the bound on batch bytes held, and what malloc holds in
+    use and keeps freed (``consumer.heap`` says how far the freed figure is resident)."""
     # Every producer the trainer saw counts, as if all were still connected.
     producers = trainer.ledger.producer_count()
     held = heap.read()
