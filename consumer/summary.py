@@ -12,11 +12,10 @@ import resource
 import time
 from typing import Any
 
+from stagefeed.common.options import MIB
 from stagefeed.consumer import heap
 from stagefeed.consumer.monitor import FinalFigures
 from stagefeed.consumer.trainer import Trainer
-
-MIB = 2**20
 
 
 def summarize(
