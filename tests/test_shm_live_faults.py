@@ -57,6 +57,7 @@ def test_producer_killed_mid_write_its_torn_slot_is_never_trained(spawn):
     try:
         memory = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
         assert wait_for(lambda: WRITING in _states(memory), 30, interval=0.001)
+        time.sleep(0.04)  # a few of its 16 chunks written (10 ms apart), far from the last
         victim_worker.send_signal(signal.SIGKILL)  # in the middle of a fill (160 ms each)
         assert victim.wait(30) == 3 and "exit -9" in procs.log_text(victim)
         time.sleep(0.2)
