@@ -133,6 +133,9 @@ def _largest_images(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    from stagefeed.consumer.quiet_tf import import_tensorflow
+
+    import_tensorflow()  # before bench.ingest imports it: its start-up lines filtered
     from stagefeed.bench.ingest import run_ingest
     from stagefeed.bench.table import ingest_table
 

@@ -114,7 +114,9 @@ def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> No
 
             if largest > malloc_policy.THREAD_HEAP_BYTES:  # as the command line does
                 malloc_policy.keep_freed_memory(largest)  # before TensorFlow's threads
-        import tensorflow as tf
+        from stagefeed.consumer.quiet_tf import import_tensorflow
+
+        tf = import_tensorflow()
         from stagefeed.consumer.graph import pick_device
 
         device = pick_device(config.device)

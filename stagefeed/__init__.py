@@ -44,6 +44,7 @@ _LAZY = {
     "Trainer": "stagefeed.consumer.trainer",
     "keep_freed_memory": "stagefeed.consumer.malloc_policy",  # no TensorFlow
 }
+_WITH_TENSORFLOW = {"Feed", "KerasTrainer", "ServedFeed", "Trainer"}
 
 __all__ = [
     "ArraySpec",
@@ -75,6 +76,10 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'stagefeed' has no attribute {name!r}")
+    if name in _WITH_TENSORFLOW:
+        from stagefeed.consumer.quiet_tf import import_tensorflow
+
+        import_tensorflow()  # its C++ start-up lines filtered, unless already imported
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -172,6 +172,9 @@ def train(
     shutdown = shutdown or Shutdown().install()
     _check_outputs(json_path, observe.logdir, options.save_dir)
     # TensorFlow loads here (seconds): a signal meanwhile takes effect once it has loaded.
+    from stagefeed.consumer.quiet_tf import import_tensorflow
+
+    import_tensorflow()
     from stagefeed.consumer import models
     from stagefeed.consumer.monitor import Monitor
 
@@ -208,8 +211,11 @@ def run_local(
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
     observe = observe_options(args)
     _check_outputs(args.json, observe.logdir, options.save_dir)
+    from stagefeed.consumer.quiet_tf import import_tensorflow
+
+    import_tensorflow()  # seconds
     from stagefeed.consumer import models
-    from stagefeed.consumer.monitor import Monitor  # TensorFlow loads here (seconds)
+    from stagefeed.consumer.monitor import Monitor
 
     monitor = Monitor(observe)
     trainer = models.trainer(options, [monitor], _server_configurator(options))
