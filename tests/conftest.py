@@ -130,3 +130,23 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """End a failed run with why each test failed: its id, the first line of what it raised and
+    where, in full. (pytest's short summary cuts that line to the terminal's width, and a CI
+    log has none: a long test id leaves only the name.) A log read from the end explains itself.
+    """
+    failed = terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
+    if not failed:
+        return
+    terminalreporter.section("why each test failed", sep="-")
+    for report in failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        if crash is not None:
+            first = (crash.message.strip().splitlines() or ["(no message)"])[0]
+            where = f"{os.path.relpath(crash.path, REPO)}:{crash.lineno}"
+        else:  # a collection error or a skip-like report: its text's last line
+            first, where = str(report.longrepr).strip().splitlines()[-1], report.location[0]
+        phase = "" if report.when == "call" else f" (in {report.when})"
+        terminalreporter.write_line(f"{report.nodeid}{phase}: {first[:500]}  [{where}]")
