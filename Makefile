@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TF_EXTRA ?= cpu
+# Test processes: a test mostly waits on the processes it started, so two keep both cores busy.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stagefeed-installed
 
@@ -20,7 +22,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import ModuleType
@@ -123,7 +124,9 @@ def import_tensorflow() -> ModuleType:
     loaded = sys.modules.get("tensorflow")
     if loaded is not None:
         return loaded
+    began = time.monotonic()
     with filtered_stderr(StartupLineFilter(min_log_level())):
         import tensorflow
+    log.info("TensorFlow %s loaded in %.1f s", tensorflow.__version__, time.monotonic() - began)
     return tensorflow
 

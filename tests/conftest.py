@@ -132,6 +132,17 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
     return predicate()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep what shares a started process on one xdist worker (``make test`` runs two, with
+    ``--dist loadgroup``): a module's tests share its module-scoped trainers, and a package's
+    (``hostile_input/``) share one trainer and run in the order its conftest sets. Without
+    xdist the mark does nothing."""
+    tests = os.path.join(REPO, "tests")
+    for item in items:
+        top = os.path.relpath(str(item.path), tests).split(os.sep)[0]
+        item.add_marker(pytest.mark.xdist_group(top))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """End a failed run with why each test failed: its id, the first line of what it raised and
     where, in full. (pytest's short summary cuts that line to the terminal's width, and a CI

@@ -15,6 +15,7 @@ would not say whose they are: what a process of the run maps does.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -31,10 +32,14 @@ from tests.conftest import TINY, free_tcp_port, wait_for
 
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
 
+# The promise (README, Shutdown): stopped within 5 s of the first signal, once a TensorFlow
+# import or a train step in progress has finished. Both of those take as long as the machine
+# makes them take, so the bound starts after the import (the trainer logs when it ends) and
+# adds the slowest train step the run itself logged: the same promise on any machine, at any
+# load.
 STOP_WITHIN_S = 5.0
-# A signal during start-up takes effect once TensorFlow has finished importing: seconds on a
-# loaded 2-core machine, so the bound there is more generous.
-STARTUP_STOP_WITHIN_S = 10.0
+TF_LOADED = r"TensorFlow \S+ loaded in"
+STEP_MS = re.compile(r"step \d+/\S+\s+(\d+) ms/step")
 STARTUP_S = 120
 BURST = [signal.SIGINT, signal.SIGTERM, signal.SIGINT]  # a user pressing Ctrl-C, then kill
 BURST_GAP_S = 0.3
@@ -80,14 +85,28 @@ class Watch:
                 self.first_signal_at = time.monotonic()
             _send(self.started, sig)
 
-    def check_ended(self, within_s: float, summary: bool) -> str:
-        """All of the run is gone within ``within_s`` of the first signal; returns the log."""
-        gone = wait_for(lambda: not _group(self.pgid) and self.started.proc.poll() is not None, 60)
+    def check_ended(self, summary: bool, after_import: bool = False) -> str:
+        """All of the run is gone within ``STOP_WITHIN_S`` of the first signal (of the end of
+        TensorFlow's import, if ``after_import`` and that came later), plus the slowest train
+        step the run logged; returns the log."""
         assert self.first_signal_at is not None
-        took = time.monotonic() - self.first_signal_at
+        loaded_at = None if after_import else self.first_signal_at
+
+        def ended() -> bool:
+            nonlocal loaded_at
+            if loaded_at is None and re.search(TF_LOADED, procs.log_text(self.started)):
+                loaded_at = time.monotonic()
+            return not _group(self.pgid) and self.started.proc.poll() is not None
+
+        gone = wait_for(ended, 90, interval=0.05)
+        ended_at = time.monotonic()
         log = procs.log_text(self.started)
         assert gone, ([p.cmdline() for p in _group(self.pgid)], log[-3000:])
-        assert took <= within_s + 0.5, f"stopping took {took:.1f} s\n{log[-3000:]}"
+        assert loaded_at is not None, f"TensorFlow's import never ended\n{log[-3000:]}"
+        step_s = max((int(ms) for ms in STEP_MS.findall(log)), default=0) / 1000
+        took = ended_at - max(self.first_signal_at, loaded_at)
+        bound = STOP_WITHIN_S + step_s + 0.5
+        assert took <= bound, f"stopping took {took:.1f} s > {bound:.1f} s\n{log[-3000:]}"
         assert not [p for p in self.family if procs._alive(p)]
         assert self.started.wait(1) == 0, log[-3000:]
         assert "Traceback" not in log, log
@@ -117,10 +136,18 @@ def _tensorflow_loading(started) -> bool:
     return any("tensorflow" in m.path for m in maps)
 
 
+# ``run`` on the tiny regression (tests/regression_models.py): the signal path is the same as
+# with AlexNet, at a fraction of the CPU; rate-limited producers keep the queue fed.
+REGRESSION = [
+    "--schema", "tests.regression_models:SCHEMA", "--model", "tests.regression_models:linear_fn",
+    "--source", "tests.regression_models:sums", "--rate", "20",
+]  # fmt: skip
+
+
 def _run(spawn):
     started = spawn(
-        ["run", *TINY, "--transport", "ipc", "--producers", "2", "--steps", "0"]
-        + ["--queue-mb", "4", "--progress-s", "1"],
+        ["run", *REGRESSION, "--transport", "ipc", "--producers", "2", "--steps", "0"]
+        + ["--queue-mb", "1", "--progress-s", "1"],
         name="run",
     )
     socket_file = os.path.join(tempfile.gettempdir(), f"stagefeed-{started.proc.pid}.sock")
@@ -139,7 +166,7 @@ def test_run(spawn, sig):
     watch = Watch(started, [socket_file])
     assert [p for p in watch.shm if p.startswith("/dev/shm/sem.")]  # the pool's stop event
     watch.send([sig])
-    watch.check_ended(STOP_WITHIN_S, summary=True)
+    watch.check_ended(summary=True)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +191,7 @@ def test_train_while_its_enqueues_wait_on_a_full_queue(spawn, ipc_producer, sig)
     watch = Watch(started, [ipc_producer])
     assert os.path.exists(ipc_producer)
     watch.send([sig])
-    watch.check_ended(STOP_WITHIN_S, summary=True)
+    watch.check_ended(summary=True)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -179,7 +206,7 @@ def test_produce_while_it_cannot_reach_the_trainer(spawn, sig):
     assert wait_for(said_twice, 60), procs.log_text(started)
     watch = Watch(started)
     watch.send([sig])
-    log = watch.check_ended(STOP_WITHIN_S, summary=False)
+    log = watch.check_ended(summary=False)
     assert log.count("cannot reach the trainer") == 2  # once per worker
 
 
@@ -191,7 +218,7 @@ def test_run_signalled_repeatedly_while_tensorflow_starts(spawn):
     assert wait_for(lambda: _tensorflow_loading(started), STARTUP_S), procs.log_text(started)
     watch = Watch(started, [socket_file])
     watch.send(BURST)
-    log = watch.check_ended(STARTUP_STOP_WITHIN_S, summary=True)
+    log = watch.check_ended(summary=True, after_import=True)
     assert "producers ->" not in log  # nothing that had not started yet was started
 
 
@@ -201,7 +228,7 @@ def test_run_signalled_repeatedly_while_training(spawn):
     procs.workers_of(started, 2)
     watch = Watch(started, [socket_file])
     watch.send(BURST)
-    watch.check_ended(STOP_WITHIN_S, summary=True)
+    watch.check_ended(summary=True)
 
 
 # The later signals follow the first closely, so that they surely land while the command is
@@ -216,7 +243,7 @@ def test_run_signalled_again_while_it_stops(spawn):
     procs.workers_of(started, 2)
     watch = Watch(started, [socket_file])
     watch.send(AGAIN, gap_s=AGAIN_GAP_S)
-    log = watch.check_ended(STOP_WITHIN_S, summary=True)
+    log = watch.check_ended(summary=True)
     assert "SIGTERM received: stopping" in log
     assert "received while stopping: shutting down without grace periods" in log
 
@@ -226,7 +253,7 @@ def test_train_signalled_repeatedly_while_tensorflow_starts(spawn, ipc_producer)
     assert wait_for(lambda: _tensorflow_loading(started), STARTUP_S), procs.log_text(started)
     watch = Watch(started)
     watch.send(BURST)
-    watch.check_ended(STARTUP_STOP_WITHIN_S, summary=True)
+    watch.check_ended(summary=True, after_import=True)
 
 
 def test_train_signalled_repeatedly_while_training(spawn, ipc_producer):
@@ -234,7 +261,7 @@ def test_train_signalled_repeatedly_while_training(spawn, ipc_producer):
     assert procs.wait_log(started, r"step \d+", STARTUP_S), procs.log_text(started)
     watch = Watch(started, [ipc_producer])
     watch.send(BURST)
-    watch.check_ended(STOP_WITHIN_S, summary=True)
+    watch.check_ended(summary=True)
 
 
 def test_train_signalled_again_while_it_stops(spawn, ipc_producer):
@@ -242,7 +269,7 @@ def test_train_signalled_again_while_it_stops(spawn, ipc_producer):
     assert procs.wait_log(started, r"step \d+", STARTUP_S), procs.log_text(started)
     watch = Watch(started, [ipc_producer])
     watch.send(AGAIN, gap_s=AGAIN_GAP_S)
-    log = watch.check_ended(STOP_WITHIN_S, summary=True)
+    log = watch.check_ended(summary=True)
     assert "received while stopping: shutting down without grace periods" in log
 
 
@@ -254,7 +281,7 @@ def test_produce_signalled_repeatedly_while_its_workers_start(spawn):
     assert wait_for(lambda: _workers_alive(started) >= 1, 60, interval=0.01)
     watch = Watch(started)
     watch.send(BURST, gap_s=0.1)
-    watch.check_ended(STOP_WITHIN_S, summary=False)
+    watch.check_ended(summary=False)
 
 
 def test_produce_signalled_repeatedly_while_it_cannot_reach_the_trainer(spawn):
@@ -264,7 +291,7 @@ def test_produce_signalled_repeatedly_while_it_cannot_reach_the_trainer(spawn):
     assert procs.wait_log(started, "cannot reach the trainer", 60), procs.log_text(started)
     watch = Watch(started)
     watch.send(BURST)
-    watch.check_ended(STOP_WITHIN_S, summary=False)
+    watch.check_ended(summary=False)
 
 
 @pytest.fixture
@@ -321,6 +348,6 @@ def test_produce_signalled_while_its_workers_linger_to_deliver(spawn, deaf_train
     assert wait_for(both_lingering, 60), procs.log_text(started)
     watch = Watch(started)
     watch.send(sigs)
-    log = watch.check_ended(STOP_WITHIN_S, summary=False)
+    log = watch.check_ended(summary=False)
     if len(sigs) == 1:  # a second signal may end a worker before it says so
         assert log.count("stop requested while delivering the last batches") == 2, log
