@@ -68,37 +68,36 @@ def test_every_mode_yields_figures_and_its_ratio_to_the_reference(tmp_path):
     assert report["device"] == "/cpu:0"
 
 
-def test_stall_is_measured_for_stagefeed_only(tmp_path):
-    """uint8 here (the other tests use float32): numpy batches of both dtypes are made."""
-    report, table = _bench(
-        tmp_path, ["stagefeed", "seed-staging"], "--producers", "1", "--dtype", "uint8"
-    )
-    stagefeed, seed = report["modes"]["stagefeed"], report["modes"]["seed-staging"]
-    assert len(stagefeed["wait_ms"]) == 4
-    assert all(w >= 0 for w in stagefeed["wait_ms"])
-    assert 0 <= stagefeed["stall_pct"] <= 100
-    assert stagefeed["info"]["producers"] == 1
-    assert seed["stall_pct"] is None and seed["wait_ms"] is None
-    assert seed["info"]["queue_capacity"] == report["settings"]["queue_capacity"]
-    # No reference mode in this run: no ratio is made up.
-    assert stagefeed["ratio"] is None and "n/a" in table
-    # Warm-up block + 2 timed blocks, each followed by a settle that refilled the queue.
-    assert [s["queue_full"] for s in seed["settle"]] == [True, True, True]
-
-
 def _table_rows(table: str, heading: str) -> list[str]:
     """The mode names of the table under ``heading`` in the printed report."""
     block = table.split(heading, 1)[1].split("\n\n", 2)[1]
     return [line.split(" | ")[0].lstrip("| ") for line in block.splitlines()[2:]]
 
 
-def test_keras_trio_has_its_own_table_and_reference(tmp_path):
-    """``--modes keras`` beside a graph mode: one run, interleaved, two tables; each family's
-    ratios against its own synthetic upper bound."""
-    report, table = _bench(tmp_path, ["synthetic-device", "keras"])
+def test_graph_modes_without_their_reference_and_the_keras_trio_in_one_run(tmp_path):
+    """Two graph modes without their reference (no ratio is made up) beside ``--modes keras``
+    (its own table, ratios against keras-synthetic), interleaved in one run; uint8 over shared
+    memory from one producer (the other tests use float32 over tcp: numpy batches of both
+    dtypes are made, and the cast layer's path runs)."""
+    graph = ["stagefeed", "seed-staging"]
+    extra = ("--producers", "1", "--dtype", "uint8", "--transport", "shm")
+    report, table = _bench(tmp_path, [*graph, "keras"], *extra)
     modes = report["modes"]
-    assert list(modes) == ["synthetic-device", *KERAS_MODES]
+    assert list(modes) == [*graph, *KERAS_MODES]
     assert report["order"] == [list(modes), list(reversed(modes))]
+    assert report["settings"]["transport"] == "shm"
+    # Graph mode: the stall is stagefeed's alone; no reference in this run, so no ratio.
+    stagefeed, seed = modes["stagefeed"], modes["seed-staging"]
+    assert len(stagefeed["wait_ms"]) == 4
+    assert all(w >= 0 for w in stagefeed["wait_ms"])
+    assert 0 <= stagefeed["stall_pct"] <= 100
+    assert stagefeed["info"]["producers"] == 1
+    assert seed["stall_pct"] is None and seed["wait_ms"] is None
+    assert seed["info"]["queue_capacity"] == report["settings"]["queue_capacity"]
+    assert stagefeed["ratio"] is None and seed["ratio"] is None and "n/a" in table
+    # Warm-up block + 2 timed blocks, each followed by a settle that refilled the queue.
+    assert [s["queue_full"] for s in seed["settle"]] == [True, True, True]
+    # The Keras trio, against its own synthetic upper bound.
     for name in KERAS_MODES:
         figures = modes[name]
         _check_figures(figures, 4, 2)
@@ -108,28 +107,15 @@ def test_keras_trio_has_its_own_table_and_reference(tmp_path):
         median = modes["keras-synthetic"]["median_ms"]
         assert math.isfinite(figures["ratio"]) and math.isfinite(figures["paired_ratio"])
         assert figures["ratio"] == pytest.approx(figures["median_ms"] / median, 0.01)
-    for reference in ("keras-synthetic", "synthetic-device"):
-        assert modes[reference]["ratio"] == modes[reference]["paired_ratio"] == 1.0
-    assert modes["synthetic-device"]["reference"] == "synthetic-device"
-    stagefeed = modes["keras-stagefeed"]
-    assert stagefeed["feed_cpu_ms_per_step"] >= 0
-    assert stagefeed["info"]["queue_full_at_start"] is True
-    assert [s["queue_full"] for s in stagefeed["settle"]] == [True, True, True]
-    assert _table_rows(table, "AlexNet (graph mode") == ["synthetic-device"]
+    assert modes["keras-synthetic"]["ratio"] == modes["keras-synthetic"]["paired_ratio"] == 1.0
+    keras_stagefeed = modes["keras-stagefeed"]
+    assert keras_stagefeed["feed_cpu_ms_per_step"] >= 0
+    assert keras_stagefeed["info"]["producers"] == 1
+    assert keras_stagefeed["info"]["queue_full_at_start"] is True
+    assert [s["queue_full"] for s in keras_stagefeed["settle"]] == [True, True, True]
+    assert _table_rows(table, "AlexNet (graph mode") == graph
     assert _table_rows(table, "AlexNet in Keras 3") == list(KERAS_MODES)
     assert "| mode | median ms/step | p10 | p90 | images/s | x keras-synthetic |" in table
-
-
-def test_keras_stagefeed_takes_the_transport(tmp_path):
-    """uint8 over shared memory: the cast layer's path, and one producer."""
-    modes = ["keras-synthetic", "keras-stagefeed"]
-    extra = ("--transport", "shm", "--producers", "1", "--dtype", "uint8")
-    report, table = _bench(tmp_path, modes, *extra)
-    stagefeed = report["modes"]["keras-stagefeed"]
-    _check_figures(stagefeed, 4, 2)
-    assert math.isfinite(stagefeed["ratio"])
-    assert stagefeed["info"]["producers"] == 1
-    assert report["settings"]["transport"] == "shm"
     assert "staging depth 2, shm." in table
 
 
