@@ -3,9 +3,12 @@ changes nothing; the public API is curated; producers never load TensorFlow."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 import pytest
@@ -76,3 +79,21 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     for layer in ("common", "producer", "consumer", "bench"):
         assert f"stagefeed/{layer}/__init__.py" in names
     assert wheel.name.startswith(f"stagefeed-{stagefeed.__version__}-")
+
+
+def test_every_package_folder_is_in_pyprojects_package_list():
+    """A package folder missing from ``[tool.setuptools] packages`` installs nothing: the
+    editable checkout imports it all the same, so only the wheel would show it (the slow test
+    above). Every folder with an ``__init__.py`` under the mapped folders is listed, and every
+    listed package is a folder."""
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    folders = setuptools["package-dir"]
+    found = set()
+    for top, folder in folders.items():
+        for init in pathlib.Path(REPO, folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(pathlib.Path(REPO, folder))
+            found.add(".".join([top, *relative.parts]))
+    listed = set(setuptools["packages"])
+    assert found - listed == set(), "package folders missing from pyproject.toml's packages"
+    assert listed - found == set(), "pyproject.toml lists packages that have no folder"
