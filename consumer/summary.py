@@ -10,16 +10,19 @@ import json
 import math
 import resource
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.options import MIB
 from stagefeed.consumer import heap
-from stagefeed.consumer.monitor import FinalFigures
-from stagefeed.consumer.trainer import Trainer
+
+if TYPE_CHECKING:  # types only: a Keras run must not import graph mode (or TensorFlow's
+    # private StagingArea) to print its summary
+    from stagefeed.consumer.monitor import FinalFigures
+    from stagefeed.consumer.train_steps import TrainerBase
 
 
 def summarize(
-    trainer: Trainer, final: FinalFigures | None, wall_s: float, interrupted: bool
+    trainer: TrainerBase, final: FinalFigures | None, wall_s: float, interrupted: bool
 ) -> dict[str, Any]:
     """Every figure of a run; ``final`` is None when the monitor never started (no step
     figures then, and no advice)."""
@@ -74,7 +77,7 @@ def summarize(
     return summary
 
 
-def _memory(trainer: Trainer) -> dict[str, Any]:
+def _memory(trainer: TrainerBase) -> dict[str, Any]:
     """The process's peak RSS against the bound on batch bytes held, and what malloc holds in
     use and keeps freed (``consumer.heap`` says how far the freed figure is resident)."""
     # Every producer the trainer saw counts, as if all were still connected.

@@ -97,3 +97,36 @@ def test_every_package_folder_is_in_pyprojects_package_list():
     listed = set(setuptools["packages"])
     assert found - listed == set(), "package folders missing from pyproject.toml's packages"
     assert listed - found == set(), "pyproject.toml lists packages that have no folder"
+
+
+KERAS_RUN_MODULES = """
+import sys
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer import models
+from stagefeed.consumer.monitor import Monitor, ObserveOptions
+from stagefeed.consumer.summary import format_text, summarize
+from tests.regression_models import SCHEMA
+
+options = TrainerOptions(
+    bind="tcp://127.0.0.1:*", schema=SCHEMA, model="tests.regression_models:build"
+)
+monitor = Monitor(ObserveOptions())
+trainer = models.trainer(options, [monitor]).start()
+trainer.close()
+format_text(summarize(trainer, None, 1.0, interrupted=True))
+graph_mode = ("stagefeed.consumer.graph", "stagefeed.consumer.trainer")
+print(sorted(name for name in sys.modules if name.startswith(graph_mode)))
+"""
+
+
+@pytest.mark.slow
+def test_a_keras_run_does_not_import_graph_mode():
+    """Graph mode imports TensorFlow's private ``StagingArea``: a release that drops it must
+    not fail Keras runs. What a Keras run imports (its trainer, monitor and summary) is
+    imported by a real ``KerasTrainer``, started and closed, and its summary printed."""
+    done = subprocess.run(
+        [sys.executable, "-c", KERAS_RUN_MODULES], capture_output=True, text=True,
+        timeout=120, cwd=REPO, env=cli_env(), check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
