@@ -67,11 +67,6 @@ class Endpoint:
             self.transport == "ipc" and self.path == "*"
         )
 
-    @property
-    def bindable_only(self) -> bool:
-        """Wildcards (host ``*``, a random port or ipc file): an address to bind, not to reach."""
-        return self.random or self.host == "*"
-
 
 def _problem(
     transport: object, host: object, port: object, path: object, *, bind: bool

@@ -63,10 +63,6 @@ def advise(f: Figures, wire_mb_s: float = DEFAULT_WIRE_MB_S) -> Advice:
     return Advice(kind, text + _losses(f))
 
 
-def advice_line(f: Figures, wire_mb_s: float = DEFAULT_WIRE_MB_S) -> str:
-    return advise(f, wire_mb_s).text
-
-
 def producers_needed(consume_per_s: float, per_producer_per_s: float) -> int:
     """Producers delivering ``per_producer_per_s`` each that keep up with ``consume_per_s``."""
     if not per_producer_per_s > 0 or not consume_per_s > 0:

@@ -26,7 +26,7 @@ from stagefeed.common.schema import Schema
 from stagefeed.consumer import dataset as pipeline
 from stagefeed.consumer.eager_queue import EagerQueueFeed
 from stagefeed.consumer.keras_feed import FeedCallback, cast_layer
-from stagefeed.consumer.step_books import BooksFigures, DequeueLog, StepBooks
+from stagefeed.consumer.step_books import BooksFigures, BooksSink, DequeueLog, StepBooks
 
 # Room in the dequeue log beyond the queue: buffers hold at most a few batches per replica.
 LOG_HEADROOM = 4096
@@ -48,7 +48,7 @@ class Feed:
         *,
         stage_depth: int = 2,
         device: str = "auto",
-        sink: Any = None,
+        sink: BooksSink | None = None,
     ) -> None:
         pipeline.check_stage_depth(stage_depth)
         self.queue = EagerQueueFeed(schema, capacity, device)

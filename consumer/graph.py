@@ -19,7 +19,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Tensor
         f"graph mode needs TensorFlow's StagingArea, missing in TF {tf.__version__}; "
         "use the tf.data path (stagefeed.Feed.dataset)"
     ) from exc
-from tensorflow.python.ops.data_flow_ops import StagingArea
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import tensorflow as tf
@@ -146,7 +146,9 @@ class StepBooks:
     the dataset is distributed from a function, else 1); set by ``Feed.dataset``.
     """
 
-    def __init__(self, queue: EagerQueueFeed, dequeues: DequeueLog, sink: Any = None) -> None:
+    def __init__(
+        self, queue: EagerQueueFeed, dequeues: DequeueLog, sink: BooksSink | None = None
+    ) -> None:
         self.queue = queue
         self.dequeues = dequeues
         self.sink = sink
