@@ -19,6 +19,7 @@ import tempfile
 from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
 from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.consumer.devices import is_gpu
 from stagefeed.producer.pool import ProducerPool
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class Loopback:
             recv_threads=config.recv_threads,
             queue_mb=config.queue_capacity * schema.batch_bytes / 2**20,
             stage_depth=stage_depth,
-            device="gpu" if device.startswith("/gpu") else "cpu",
+            device="gpu" if is_gpu(device) else "cpu",
             transport=self.trainer_transport,
             shm_socket=self.shm_socket,
             shm_producers=config.producers,

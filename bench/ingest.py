@@ -84,7 +84,7 @@ def delivery_schema(schema: Schema) -> Schema:
     """``schema`` without device-side casts: the same arrays, bytes and messages.
 
     The trainer casts every staged array its schema says to cast *before* the model sees it
-    (``consumer.graph.cast_on_device``), and TensorFlow computes the whole cast even when the
+    (``consumer.cast.cast_arrays``), and TensorFlow computes the whole cast even when the
     model then reads one pixel: for uint8 that would be a full uint8 -> float32 conversion of
     every batch, which a real model pays but a delivery measurement must not. Without the
     cast the trivial model gets the batch as delivered, as before the schema existed.

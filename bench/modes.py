@@ -1,7 +1,7 @@
 """The graph-only input modes of ``bench steps``: one class per way of handing AlexNet a batch.
 
 Every mode trains ``alexnet_step`` (``consumer.model.model_fn``, the seed's AlexNet, on the batch
-cast on the device by ``consumer.graph.cast_on_device`` as the schema says: uint8 images to
+cast on the device by ``consumer.cast.cast_arrays`` as the schema says: uint8 images to
 float32 / 255) on the same schema. A mode's lifecycle: ``setup()`` -> ``step()`` ... with
 ``settle()`` after each block of steps -> ``close()``. ``step()`` returns
 ``(step seconds, input-wait seconds or None)``: only a mode that waits for its input outside
@@ -20,7 +20,8 @@ from stagefeed.bench.batches import host_batch
 from stagefeed.bench.config import StepsConfig
 from stagefeed.common.schema import Schema
 from stagefeed.consumer import model
-from stagefeed.consumer.graph import cast_on_device
+from stagefeed.consumer.cast import cast_arrays
+from stagefeed.consumer.devices import is_gpu
 
 v1 = tf.compat.v1
 
@@ -35,7 +36,7 @@ def alexnet_step(
 ) -> tuple[tf.Tensor, tf.Operation]:
     """(loss, train op): the trainer's own step on a batch as it arrives (call under the
     training device): the schema's cast and scale, then ``consumer.model.model_fn``."""
-    staged = cast_on_device({"images": images, "labels": labels}, schema)
+    staged = cast_arrays(schema, {"images": images, "labels": labels})
     return model.model_fn(staged, schema)
 
 
@@ -51,7 +52,7 @@ def alignment(array: np.ndarray) -> int:
 def plain_session_config(device: str) -> v1.ConfigProto:
     """The seed's session: TF defaults (no forced pinned memory); GPU memory grown on demand."""
     config = v1.ConfigProto(allow_soft_placement=False)
-    if device.startswith("/gpu"):
+    if is_gpu(device):
         config.gpu_options.allow_growth = True
     return config
 
@@ -71,7 +72,7 @@ def generator_dataset(schema: Schema, device: str) -> tuple[tf.data.Dataset, dic
         tf.TensorSpec(schema.batch_shape(schema[name]), tf_dtype(schema, name))
         for name in ("images", "labels")
     )
-    on_gpu = device.startswith("/gpu")
+    on_gpu = is_gpu(device)
     with tf.device("/cpu:0"):
         dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
         dataset = dataset.prefetch(TF_DATA_PREFETCH)

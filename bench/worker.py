@@ -117,9 +117,9 @@ def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> No
         from stagefeed.consumer.quiet_tf import import_tensorflow
 
         tf = import_tensorflow()
-        from stagefeed.consumer.graph import pick_device
+        from stagefeed.consumer.devices import training_device
 
-        device = pick_device(config.device)
+        device = training_device(config.device)
         mode = open_mode(name, config, device)
         info = mode.setup()
         info.update({"device": device, "tensorflow": tf.__version__})

@@ -24,12 +24,13 @@ buffers as deep as the device side). They are outside the queue's byte budget: a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
+from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.eager_queue import EagerQueueFeed
 from stagefeed.consumer.step_books import DequeueLog
 
@@ -40,25 +41,6 @@ log = logging.getLogger(__name__)
 # of those arrays). Or a callable on the dict (traced once by tf.data, runs on the host).
 ElementMapping = Sequence[str | Sequence[str]] | Callable[[dict[str, tf.Tensor]], Any] | None
 CastWhere = Literal["pipeline", "step"]
-
-
-def cast_arrays(schema: Schema, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-    """Each array's declared ``cast`` then ``scale`` (``x.astype(cast) * scale``); others as is.
-
-    Runs where it is called: in the pipeline (host CPU), or inside a step (the replica device).
-    ``batch`` may hold a subset of the schema's arrays.
-    """
-    out = dict(batch)
-    for spec in schema.arrays:
-        if spec.name not in out or (spec.cast is None and spec.scale is None):
-            continue
-        value = out[spec.name]
-        if spec.cast is not None:
-            value = tf.cast(value, spec.cast)
-        if spec.scale is not None:
-            value = value * tf.constant(spec.scale, value.dtype)
-        out[spec.name] = value
-    return out
 
 
 def element_structure(schema: Schema, mapping: ElementMapping) -> Callable[[dict], Any]:

@@ -25,30 +25,10 @@ import numpy as np
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema, SchemaMismatch
+from stagefeed.consumer.devices import HOST, training_device
+from stagefeed.consumer.queue_element import queue_element
 
 log = logging.getLogger(__name__)
-
-HOST = "/cpu:0"
-
-
-def training_device(requested: str = "auto") -> str:
-    """``/gpu:0`` when TensorFlow sees a GPU, else ``/cpu:0``; an explicit device is kept.
-
-    ``"gpu"`` without a GPU is a ``ConfigError``.
-    """
-    if not isinstance(requested, str) or not requested:
-        raise ConfigError(
-            f"device must be 'auto', 'cpu', 'gpu' or a device name, got {requested!r}"
-        )
-    gpus = tf.config.list_physical_devices("GPU")
-    if requested == "gpu" and not gpus:
-        raise ConfigError("device 'gpu' requested but TensorFlow sees no GPU")
-    if requested == "auto":
-        return "/gpu:0" if gpus else HOST
-    if requested in ("cpu", "gpu"):
-        return f"/{requested}:0"
-    return requested
-
 
 class EagerQueueFeed:
     """A ``tf.queue.FIFOQueue`` of whole batches on the host CPU, ``capacity`` batches deep.
@@ -71,9 +51,7 @@ class EagerQueueFeed:
         self.schema = schema
         self.capacity = capacity
         self.device = training_device(device)
-        wire = schema.wire()
-        dtypes = [tf.as_dtype(dtype) for _, dtype, _ in wire] + [tf.int32, tf.int64]
-        shapes = [list(shape) for _, _, shape in wire] + [[], []]
+        dtypes, shapes = queue_element(schema)
         with tf.device(HOST):
             self.queue = tf.queue.FIFOQueue(
                 capacity, dtypes, shapes=shapes, name="stagefeed_batches"

@@ -24,6 +24,7 @@ import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
 from stagefeed.consumer import dataset as pipeline
+from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.eager_queue import EagerQueueFeed
 from stagefeed.consumer.keras_feed import FeedCallback, cast_layer
 from stagefeed.consumer.step_books import BooksFigures, BooksSink, DequeueLog, StepBooks
@@ -93,7 +94,7 @@ class Feed:
 
     def cast(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         """The schema's cast/scale, for a step to call on its device (``cast="step"``)."""
-        return pipeline.cast_arrays(self.schema, batch)
+        return cast_arrays(self.schema, batch)
 
     def cast_layer(self, name: str) -> keras.layers.Layer:
         """A built-in Keras layer doing array ``name``'s cast/scale inside the model."""

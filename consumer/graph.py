@@ -8,9 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
-from stagefeed.consumer.dataset import cast_arrays
+from stagefeed.consumer.cast import cast_arrays
+from stagefeed.consumer.devices import is_gpu
+from stagefeed.consumer.queue_element import PEER_DTYPE, SEQ_DTYPE, queue_element
 
 try:  # not public in TF 2 (tensorflow/community#178); present from 1.x to 2.21 at least
     from tensorflow.python.ops.data_flow_ops import StagingArea
@@ -28,16 +29,6 @@ STAGED_PEER = "stagefeed_staged_peer"
 STAGED_SEQ = "stagefeed_staged_seq"
 
 
-def pick_device(requested: str = "auto") -> str:
-    """``/gpu:0`` when TensorFlow sees a GPU (or ``gpu`` was asked and exists), else ``/cpu:0``."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if requested == "gpu" and not gpus:
-        raise ConfigError("device 'gpu' requested but TensorFlow sees no GPU")
-    if requested == "cpu" or not gpus:
-        return "/cpu:0"
-    return "/gpu:0"
-
-
 def session_config(device: str) -> v1.ConfigProto:
     """Pinned host memory for CPU tensors on GPU builds, so host-to-device copies are async DMA.
 
@@ -46,7 +37,7 @@ def session_config(device: str) -> v1.ConfigProto:
     numpy into a FIFOQueue never is (background.md). It has no effect without a GPU.
     """
     config = v1.ConfigProto(allow_soft_placement=False)
-    if device.startswith("/gpu"):
+    if is_gpu(device):
         config.gpu_options.force_gpu_compatible = True
         config.gpu_options.allow_growth = True
     return config
@@ -98,12 +89,6 @@ class FeedGraph:
 ModelFn = Callable[[dict[str, tf.Tensor], Schema], tuple[tf.Tensor, tf.Operation]]
 
 
-def cast_on_device(staged: dict[str, tf.Tensor], schema: Schema) -> dict[str, tf.Tensor]:
-    """Apply each array's declared ``cast`` and ``scale`` (call under the training device);
-    the one implementation is the TF 2 pipeline's ``dataset.cast_arrays``."""
-    return cast_arrays(schema, staged)
-
-
 def build(
     schema: Schema,
     queue_capacity: int,
@@ -116,17 +101,17 @@ def build(
     ``model_fn`` builds the step on the staged tensors (``bench ingest`` uses a trivial one).
     """
     graph = tf.Graph()
-    wire = [(spec.name, tf.as_dtype(spec.np_dtype), schema.batch_shape(spec))
-            for spec in schema.arrays]  # fmt: skip
-    dtypes = [dtype for _, dtype, _ in wire] + [tf.int32, tf.int64]
-    shapes = [shape for _, _, shape in wire] + [[], []]
+    dtypes, shapes = queue_element(schema)
     with graph.as_default():
         with tf.device("/cpu:0"):
-            inputs = {name: v1.placeholder(dtype, shape, name=name) for name, dtype, shape in wire}
-            peer_in = v1.placeholder(tf.int32, [], name="peer")
-            seq_in = v1.placeholder(tf.int64, [], name="seq")
-            queued = [inputs[name] for name, _, _ in wire]
-            if device.startswith("/gpu"):
+            inputs = {
+                name: v1.placeholder(dtype, shape, name=name)
+                for name, dtype, shape in zip(schema.names, dtypes, shapes, strict=False)
+            }
+            peer_in = v1.placeholder(PEER_DTYPE, [], name="peer")
+            seq_in = v1.placeholder(SEQ_DTYPE, [], name="seq")
+            queued = [inputs[name] for name in schema.names]
+            if is_gpu(device):
                 # A received frame is fed as pageable memory; one copy on the enqueue thread
                 # moves it into pinned memory (force_gpu_compatible), off the training path.
                 queued = [tf.raw_ops.DeepCopy(x=t) for t in queued]
@@ -143,7 +128,7 @@ def build(
             # Where each staged batch came from, for a model_fn that checks its input.
             v1.add_to_collection(STAGED_PEER, peer)
             v1.add_to_collection(STAGED_SEQ, seq)
-            staged = cast_on_device(dict(zip(schema.names, arrays, strict=True)), schema)
+            staged = cast_arrays(schema, dict(zip(schema.names, arrays, strict=True)))
             loss, train = model_fn(staged, schema)
             step = tf.group(train, put, name="step")
     log.info(

@@ -32,7 +32,7 @@ import keras
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer.dataset import cast_arrays
+from stagefeed.consumer.cast import cast_arrays
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ import keras
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, NonFiniteLoss
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import models
-from stagefeed.consumer.eager_queue import training_device
+from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.keras_model import check_model
 from stagefeed.consumer.served_feed import ServedFeed
 from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase

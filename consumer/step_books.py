@@ -32,7 +32,8 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 import tensorflow as tf
-from stagefeed.consumer.eager_queue import HOST, EagerQueueFeed
+from stagefeed.consumer.devices import HOST
+from stagefeed.consumer.eager_queue import EagerQueueFeed
 
 log = logging.getLogger(__name__)
 

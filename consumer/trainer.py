@@ -17,6 +17,7 @@ from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import graph as feed_graph
 from stagefeed.consumer import malloc_policy, models
+from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.graph_saver import GraphSaver
 from stagefeed.consumer.intake import Intake
 from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase
@@ -48,7 +49,7 @@ class Trainer(TrainerBase):
         configure_server: Callable[[Any], None] | None = None,
         model_fn: feed_graph.ModelFn | None = None,
     ) -> None:
-        device = feed_graph.pick_device(options.device)
+        device = training_device(options.device)
         super().__init__(options, observers, configure_server, device=device)
         # What a step does with the staged batch: given, or ``options.model`` (resolved at start).
         self.model_fn = model_fn

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import tensorflow as tf
-from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer import graph as feed_graph
 from stagefeed.consumer.model import model_fn
 
 v1 = tf.compat.v1
 SPEC = image_schema(batch_size=2)
-
-
-@pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")), reason="a GPU is present")
-def test_device_is_cpu_without_a_gpu():
-    assert feed_graph.pick_device("auto") == "/cpu:0"
-    with pytest.raises(ConfigError, match="gpu"):
-        feed_graph.pick_device("gpu")
 
 
 def test_gpu_session_forces_pinned_host_memory():

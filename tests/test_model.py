@@ -67,11 +67,11 @@ def test_the_loss_stays_finite_on_random_images_where_the_seed_diverged():
 
 def test_uint8_images_are_scaled_to_unit_range():
     from stagefeed.common.schema import image_schema
-    from stagefeed.consumer.graph import cast_on_device
+    from stagefeed.consumer.cast import cast_arrays
 
     schema = image_schema(batch_size=1, dtype="uint8")
     staged = {"images": tf.constant([[0, 255]], dtype=tf.uint8), "labels": tf.constant([1])}
-    assert cast_on_device(staged, schema)["images"].numpy().tolist() == [[0.0, 1.0]]
+    assert cast_arrays(schema, staged)["images"].numpy().tolist() == [[0.0, 1.0]]
 
 
 @pytest.mark.parametrize(
