@@ -38,6 +38,7 @@ import keras
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, NonFiniteLoss
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import models
+from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.keras_model import check_model
 from stagefeed.consumer.served_feed import ServedFeed
@@ -50,8 +51,6 @@ JOIN_TIMEOUT_S = 5.0
 # After every producer process ended without their data having ended (no ``end`` seen), how
 # long the batches they sent may take to reach the queue before it is closed.
 GONE_GRACE_S = 2.0
-FINAL = "model.keras"
-CHECKPOINTS = "checkpoints"
 
 
 class KerasTrainer(TrainerBase):
@@ -73,6 +72,7 @@ class KerasTrainer(TrainerBase):
         self._dataset: Any = None
         self._queued = 0
         self._failure: BaseException | None = None
+        self.checkpoints: Checkpoints | None = None
         self._closed = False
 
     def start(self) -> KerasTrainer:
@@ -85,6 +85,8 @@ class KerasTrainer(TrainerBase):
         model = models.building(ref, build, self.schema)
         plan = check_model(ref, model, self.schema, options.targets)
         self.model = model
+        if options.save_dir is not None:
+            self.checkpoints = Checkpoints(options, keras_format(model))
         self.feed = ServedFeed(options, self._configure_server, self.ledger)
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
@@ -135,10 +137,8 @@ class KerasTrainer(TrainerBase):
             log.info("every producer's data ended and every batch was trained")
         if self._failure is not None:
             raise self._failure
-        if options.save_dir is not None:
-            path = os.path.join(options.save_dir, FINAL)
-            self.model.save(path)
-            log.info("saved the model after %d steps: %s", self.steps_done, path)
+        if self.checkpoints is not None:
+            self.checkpoints.final(self.steps_done)
 
     def fail(self, failure: BaseException) -> None:
         """Stop ``fit`` after the current step; ``train`` raises ``failure`` once it returned."""
@@ -156,14 +156,9 @@ class KerasTrainer(TrainerBase):
         except NonFiniteLoss as exc:
             self.fail(exc)
             return
-        step, every = record.step, self.options.checkpoint_every
-        self.epoch_ended(step)
-        if every and step % every == 0 and self.options.save_dir is not None:
-            assert self.model is not None
-            path = os.path.join(self.options.save_dir, CHECKPOINTS, f"step-{step:06d}.keras")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.model.save(path)
-            log.info("step %d: checkpoint %s", step, path)
+        self.epoch_ended(record.step)
+        if self.checkpoints is not None:
+            self.checkpoints.after_step(record.step)
 
     def close(self) -> None:
         """Idempotent: no more credit, the queue closes, the intake's threads are joined."""
@@ -173,6 +168,18 @@ class KerasTrainer(TrainerBase):
         if self.feed is not None:
             self.feed.close()
 
+
+
+def keras_format(model: keras.Model) -> ModelFormat:
+    """``model.save``: the whole model (weights and optimizer) as one ``.keras`` file."""
+
+    def save(path: str) -> list[str]:
+        model.save(path)
+        return [os.path.basename(path)]
+
+    return ModelFormat(
+        final="model.keras", at_step=lambda step: f"step-{step:06d}.keras", save=save
+    )
 
 
 class _Steps(keras.callbacks.Callback):

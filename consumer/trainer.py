@@ -17,8 +17,9 @@ from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import graph as feed_graph
 from stagefeed.consumer import malloc_policy, models
+from stagefeed.consumer.checkpoints import Checkpoints
 from stagefeed.consumer.devices import training_device
-from stagefeed.consumer.graph_saver import GraphSaver
+from stagefeed.consumer.graph_saver import saver_format
 from stagefeed.consumer.intake import Intake
 from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase
 
@@ -37,7 +38,7 @@ class Trainer(TrainerBase):
     (idempotent; closes the queue so blocked enqueues return, joins threads, closes session).
     ``session`` is the user's between ``start()`` and ``close()``: to restore or save
     variables (``tf.compat.v1.train.Saver``), or to run their own loop. With
-    ``options.save_dir``, ``train`` checkpoints and saves itself (``consumer.graph_saver``).
+    ``options.save_dir``, ``train`` checkpoints and saves itself (``consumer.checkpoints``).
     ``device``, ``facts`` and ``reader`` exist from construction on (``ConfigError`` if the
     device is missing).
     """
@@ -56,7 +57,7 @@ class Trainer(TrainerBase):
         self.consumed = 0  # dequeues issued: primed puts + steps
         self.feed: feed_graph.FeedGraph | None = None
         self.session: Any = None
-        self.saver: GraphSaver | None = None
+        self.checkpoints: Checkpoints | None = None
         self._closed = False
 
     def start(self) -> Trainer:
@@ -72,12 +73,13 @@ class Trainer(TrainerBase):
             ref, feed_graph.build, self.schema, options.queue_capacity, options.stage_depth,
             self.device, model_fn,
         )  # fmt: skip
-        if options.save_dir is not None:
-            self.saver = GraphSaver(self.feed.graph, options.save_dir, options.checkpoint_every)
         config = feed_graph.session_config(self.device)
         self.session = v1.Session(graph=self.feed.graph, config=config)
         with self.feed.graph.as_default():
             self.session.run(v1.global_variables_initializer())
+        if options.save_dir is not None:
+            model = saver_format(self.session, options.save_dir)
+            self.checkpoints = Checkpoints(options, model)
         self._intake = Intake(
             options,
             self.schema,
@@ -140,10 +142,10 @@ class Trainer(TrainerBase):
                 step, step > warmup, ready - started, done - ready, float(loss), queued, done
             ))  # fmt: skip
             self.epoch_ended(step)
-            if self.saver is not None:
-                self.saver.after_step(self.session, step)
-        if self.saver is not None:
-            self.saver.final(self.session, step)
+            if self.checkpoints is not None:
+                self.checkpoints.after_step(step)
+        if self.checkpoints is not None:
+            self.checkpoints.final(step)
 
     def _wait_for_batch(self, stop: threading.Event, checks: list[Callable[[], None]]) -> bool:
         """True once a batch is queued; False when the data ended with none left to queue."""

@@ -68,7 +68,10 @@ def _check_outputs(json_path: str | None, logdir: str | None, save_dir: str | No
     if logdir:
         check_writable_dir("--logdir", logdir)
     if save_dir:
+        from stagefeed.consumer.checkpoints import check_save_dir  # no TensorFlow there
+
         check_writable_dir("--save", save_dir)
+        check_save_dir(save_dir)
 
 
 def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | None:

@@ -5,6 +5,7 @@ convention, refused at start naming the model."""
 
 from __future__ import annotations
 
+import json
 import signal
 
 import numpy as np
@@ -41,7 +42,13 @@ def test_fit_runs_epochs_times_steps_saves_a_model_that_reloads_and_checkpoints(
     assert "trained 8," in done.stdout and "dropped 0," in done.stdout
     assert "stall " in done.stdout and "(finite: True)" in done.stdout
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert checkpoints == ["step-000004.keras", "step-000008.keras"]
+    assert checkpoints == [
+        "state-000004.json", "state-000008.json", "step-000004.keras", "step-000008.keras"
+    ]  # fmt: skip
+    with open(tmp_path / "checkpoints" / "state-000008.json") as f:
+        state = json.load(f)
+    assert (state["step"], state["epoch"], state["model_files"]) == (8, 2, ["step-000008.keras"])
+    assert (tmp_path / "state.json").exists()
     model = keras.models.load_model(tmp_path / "model.keras")
     last = keras.models.load_model(tmp_path / "checkpoints" / "step-000008.keras")
     images = next(keras_images.user_batches(seed=1))["images"]

@@ -8,6 +8,7 @@ of ``tests/regression_models.py``. The flag checks parse and build the options i
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -72,6 +73,14 @@ def test_warn_goes_on_for_every_epoch_and_saves_checkpoints_and_the_model(tmp_pa
     assert "batches received" in done.stdout and "trained 6," in done.stdout
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.index"))
     assert checkpoints == ["model.ckpt-2.index", "model.ckpt-4.index", "model.ckpt-6.index"]
+    states = sorted(p.name for p in (tmp_path / "checkpoints").glob("state-*.json"))
+    assert states == ["state-000002.json", "state-000004.json", "state-000006.json"]
+    with open(tmp_path / "checkpoints" / "state-000004.json") as f:
+        state = json.load(f)
+    assert (state["step"], state["epoch"]) == (4, 1)
+    assert sorted(state["model_files"]) == sorted(
+        p.name for p in (tmp_path / "checkpoints").glob("model.ckpt-4.*")
+    )
     reader = tf.train.load_checkpoint(str(tmp_path / "model.ckpt"))
     assert reader.get_variable_to_shape_map()["w"] == [3, 1]
 
