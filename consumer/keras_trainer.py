@@ -12,11 +12,11 @@ queue closes, the intake's threads are joined).
 During ``fit``, callbacks on the training thread book each step (``FeedCallback``), turn it
 into a ``StepRecord`` for the observers and the loss policy, and write checkpoints. A named
 watcher thread, ``stagefeed-fit-watch``, does what a callback cannot while ``fit`` waits for
-a batch: on a stop request or a failed intake/producer check it sets ``model.stop_training``
-and closes the queue (the waiting dequeue returns, the dataset ends); once every producer's
-data ended (or, ``GONE_GRACE_S`` after, every producer process ended) it closes the queue so
-the queued tail is trained and ``fit`` ends. It is joined
-with a timeout when ``fit`` returns.
+a batch: it acts on the run's ``RunEnd`` verdict (``consumer.run_end``, the graph trainer's
+too). On a stop it sets ``model.stop_training`` and closes the queue (the waiting dequeue
+returns, the dataset ends); on a failure it fails the run the same way and ``train`` raises
+it; on a drain it closes the queue so the queued tail is trained and ``fit`` ends. It is
+joined with a timeout when ``fit`` returns.
 
 Figures: a record's ``wait_s`` is the dequeue wait of the batches its step trained (the books'
 ``input_wait``, docs/tf2.md "The stall figure"), at most the time since the previous step;
@@ -35,12 +35,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
-from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, NonFiniteLoss
+from stagefeed.common.errors import ConfigError, NonFiniteLoss
+from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import models
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.keras_model import check_model
+from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
 from stagefeed.consumer.served_feed import ServedFeed
 from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase
 
@@ -48,9 +50,6 @@ log = logging.getLogger(__name__)
 
 WATCH_S = 0.1
 JOIN_TIMEOUT_S = 5.0
-# After every producer process ended without their data having ended (no ``end`` seen), how
-# long the batches they sent may take to reach the queue before it is closed.
-GONE_GRACE_S = 2.0
 
 
 class KerasTrainer(TrainerBase):
@@ -132,9 +131,10 @@ class KerasTrainer(TrainerBase):
             watch.close()
         figures = self.feed.figures()
         self._queued = figures.in_queue
-        if watch.data_ended and figures.queued == 0 and self._failure is None:
-            self.data_ended = True
-            log.info("every producer's data ended and every batch was trained")
+        verdict = watch.run_end.verdict
+        if verdict.ending is Ending.DRAIN and figures.queued == 0 and self._failure is None:
+            self.data_ended = verdict.data_ended
+            log.info("%s and every batch was trained", verdict.reason)
         if self._failure is not None:
             raise self._failure
         if self.checkpoints is not None:
@@ -213,15 +213,18 @@ class _Steps(keras.callbacks.Callback):
 
 
 class _Watch:
-    """The thread ``stagefeed-fit-watch`` (see the module docstring); ``close()`` joins it."""
+    """The thread ``stagefeed-fit-watch`` (see the module docstring); ``close()`` joins it.
+
+    It acts on the run's ``RunEnd`` verdict, and on any exception of its own by failing the
+    run: no exception ends it silently while ``fit`` waits for a batch that will not come."""
 
     def __init__(
         self, trainer: KerasTrainer, stop: threading.Event, health: Callable[[], None] | None
     ) -> None:
+        assert trainer.feed is not None
         self.trainer = trainer
-        self.stop = stop
-        self.health = health
-        self.data_ended = False
+        checks = [trainer.feed.check] + ([health] if health else [])
+        self.run_end = RunEnd(stop, trainer.feed.intake.data_ended, checks)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stagefeed-fit-watch", daemon=True)
 
@@ -230,36 +233,28 @@ class _Watch:
         return self
 
     def _run(self) -> None:
+        try:
+            while not self._done.wait(WATCH_S):
+                if self._act(self.run_end.poll()):
+                    return
+        except Exception as exc:  # noqa: BLE001 - carried to train(), which raises it
+            log.debug("fit watcher failed", exc_info=True)
+            self.trainer.fail(exc)
+
+    def _act(self, verdict: Verdict) -> bool:
+        """Do what ``verdict`` asks of ``fit``; True once there is nothing more to watch."""
         trainer = self.trainer
         assert trainer.feed is not None and trainer.model is not None
-        checks = [trainer.feed.check] + ([self.health] if self.health else [])
-        gone_at: float | None = None  # when every producer process had ended
-        while not self._done.wait(WATCH_S):
-            if self.stop.is_set():
-                trainer.model.stop_training = True
-                trainer.feed.queue.close()
-                return
-            if trainer.feed.intake.data_ended():
-                self.data_ended = True
-                trainer.feed.queue.close()  # the queued tail is trained, then fit ends
-                return
-            if gone_at is not None:
-                if time.monotonic() - gone_at >= GONE_GRACE_S:
-                    trainer.feed.queue.close()
-                    return
-                continue  # their last batches may still be on their way into the queue
-            try:
-                for check in checks:
-                    check()
-            except ClosedError as exc:  # every producer ended: train what they delivered
-                log.info("%s: training what they delivered", exc)
-                gone_at = time.monotonic()
-            except BrokenError as exc:
-                trainer.fail(exc)
-                return
+        if verdict.ending is Ending.FAIL:
+            assert verdict.failure is not None
+            trainer.fail(verdict.failure)
+        elif verdict.ending is Ending.STOP:
+            trainer.model.stop_training = True
+            trainer.feed.queue.close()
+        elif verdict.ending is Ending.DRAIN:
+            trainer.feed.queue.close()  # the queued tail is trained, then fit ends
+        return verdict.ending is not Ending.RUNNING
 
     def close(self) -> None:
         self._done.set()
-        self._thread.join(JOIN_TIMEOUT_S)
-        if self._thread.is_alive():
-            log.warning("thread %s did not end within %.0f s", self._thread.name, JOIN_TIMEOUT_S)
+        join_threads([self._thread], JOIN_TIMEOUT_S)

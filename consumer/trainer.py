@@ -21,6 +21,7 @@ from stagefeed.consumer.checkpoints import Checkpoints
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.graph_saver import saver_format
 from stagefeed.consumer.intake import Intake
+from stagefeed.consumer.run_end import Ending, RunEnd
 from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase
 
 __all__ = ["StepObserver", "StepRecord", "Trainer"]
@@ -110,24 +111,31 @@ class Trainer(TrainerBase):
         feed = self.feed
         assert feed is not None and self._intake is not None
         checks = [self._intake.check] + ([health_check] if health_check else [])
+        run_end = RunEnd(stop, self._intake.data_ended, checks)
         for _ in range(self.options.stage_depth):
-            if not self._wait_for_batch(stop, checks):
+            if not self._wait_for_batch(run_end):
                 break
             self.session.run(feed.put)
             self.consumed += 1
         log.info("staging area primed with %d batches", self.consumed)
         warmup, total = self.options.warmup_steps, self.options.total_steps
         step = 0
-        while not stop.is_set() and (total == 0 or step < total):
+        while total == 0 or step < total:
+            verdict = run_end.poll()  # also while batches flow: a failure or stop ends the run
+            if verdict.ending is Ending.FAIL:
+                assert verdict.failure is not None
+                raise verdict.failure
+            if verdict.ending is Ending.STOP:
+                break
             queued = self.queue_batches
             started = time.monotonic()
             try:
-                more = self._wait_for_batch(stop, checks)
+                more = self._wait_for_batch(run_end)
             except ClosedError:
                 break
             if not more and self.consumed == self.steps_done:
-                self.data_ended = True
-                log.info("every producer's data ended and every batch was trained")
+                self.data_ended = run_end.verdict.data_ended
+                log.info("%s and every batch was trained", run_end.verdict.reason)
                 break
             ready = time.monotonic()
             # At the end of data, the staged batches are trained without a put behind them.
@@ -147,18 +155,21 @@ class Trainer(TrainerBase):
         if self.checkpoints is not None:
             self.checkpoints.final(step)
 
-    def _wait_for_batch(self, stop: threading.Event, checks: list[Callable[[], None]]) -> bool:
-        """True once a batch is queued; False when the data ended with none left to queue."""
+    def _wait_for_batch(self, run_end: RunEnd) -> bool:
+        """True once a batch is queued; False when the run drains with none left to queue.
+        ``ClosedError`` on a stop request; a failure is raised as it came (``RunEnd``)."""
         need = self.consumed + 1
         began = last_said = time.monotonic()
         assert self._intake is not None
         while not self._intake.availability.wait_for(need, WAIT_SLICE_S):
-            if stop.is_set():
+            verdict = run_end.poll()
+            if verdict.ending is Ending.FAIL:
+                assert verdict.failure is not None
+                raise verdict.failure
+            if verdict.ending is Ending.STOP:
                 raise ClosedError("stop requested while waiting for data")
-            if self._intake.data_ended() and self._intake.availability.enqueued < need:
+            if verdict.ending is Ending.DRAIN and self._intake.availability.enqueued < need:
                 return False
-            for check in checks:
-                check()
             now = time.monotonic()
             if now - last_said >= self.options.wait_log_s:
                 last_said = now

@@ -156,7 +156,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         crash = getattr(report.longrepr, "reprcrash", None)
         if crash is not None:
             first = (crash.message.strip().splitlines() or ["(no message)"])[0]
-            where = f"{os.path.relpath(crash.path, REPO)}:{crash.lineno}"
+            path = str(crash.path)
+            inside = path.startswith(REPO + os.sep)
+            where = f"{os.path.relpath(path, REPO) if inside else path}:{crash.lineno}"
         else:  # a collection error or a skip-like report: its text's last line
             first, where = str(report.longrepr).strip().splitlines()[-1], report.location[0]
         phase = "" if report.when == "call" else f" (in {report.when})"

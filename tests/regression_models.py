@@ -89,3 +89,12 @@ def wrong_dtype(schema):
 
 def fails(schema):
     raise RuntimeError("no GPU memory left")
+
+
+def wrong_third(schema, worker) -> Iterator[dict[str, np.ndarray]]:
+    """Two good batches, then one with a row too few: the producer refuses it and fails."""
+    for seq, batch in enumerate(_batches(worker, None)):
+        if seq == 2:
+            yield {name: value[:-1] for name, value in batch.items()}
+            return
+        yield batch

@@ -115,3 +115,17 @@ def test_a_bad_model_on_the_command_line_is_one_line_and_exit_2_before_any_produ
     assert lines[-1].startswith("stagefeed: error: --model 'tests.regression_models:wrong_shape'")
     assert "Traceback" not in done.stderr and "producers ->" not in done.stderr
     assert "stagefeed-producer" not in done.stderr and done.stdout == ""
+
+
+@pytest.mark.parametrize("model", ["build", "linear_fn"], ids=["keras", "graph"])
+def test_a_source_that_sends_a_wrong_batch_ends_the_run_in_one_line_in_every_mode(model):
+    """The producer refuses the batch and fails; the trainer's run ends (``RunEnd``: FAIL),
+    Keras ``fit`` included, with the producer's one line and exit code 2, never a hang."""
+    done = run_cli(
+        [*REGRESSION, "--model", f"tests.regression_models:{model}", "--steps", "0",
+         "--source", "tests.regression_models:wrong_third"], timeout=90,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("stagefeed: error:")]
+    assert len(errors) == 1 and "wrong_third" in errors[0] and "features" in errors[0], errors
+    assert "Traceback" not in done.stderr

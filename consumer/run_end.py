@@ -1,0 +1,114 @@
+"""When a run ends, and why: one decision that both trainers consult while they wait for data.
+
+``RunEnd.poll()`` looks at what can end a run, highest first, and returns a ``Verdict``:
+
+- ``FAIL``: a check failed: the intake broke, a producer process failed (``BrokenError``, or
+  the ``ConfigError`` a worker reported), or a check raised anything else. The run ends now
+  and the trainer raises ``verdict.failure`` as it came (a ``ConfigError`` still exits 2).
+- ``STOP``: a stop was requested (the ``stop`` event: a signal, the user). The run ends now;
+  what is queued stays queued and is booked as such.
+- ``DRAIN``: the data ended: every producer that delivered said ``end`` and every batch they
+  sent is in the queue (``data_ended``, the intake's rule, docs/guarantees.md). Or every
+  producer process ended without saying so (a check raised ``ClosedError``), and
+  ``gone_grace_s`` passed for their last batches to reach the queue. The queued tail is
+  trained, then the run ends.
+- ``RUNNING`` otherwise.
+
+Invariants: verdicts only rise (``RUNNING < DRAIN < STOP < FAIL``): a stop during a drain
+stops, a failure during either fails, and nothing goes back to running; the first verdict of
+the highest level is kept with its reason. ``poll`` never raises. The run's length in steps
+is the trainers' loop bound, not decided here.
+
+Why the ordering matters beyond one process: with several workers (MultiWorkerMirroredStrategy)
+a collective max of ``int(verdict.ending)`` at a step boundary gives every worker the same
+decision at the same step, so none is left waiting in an all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from stagefeed.common.errors import ClosedError
+
+log = logging.getLogger(__name__)
+
+# After every producer process ended without their data having ended (no ``end`` seen), how
+# long the batches they sent may take to reach the queue before the run drains.
+GONE_GRACE_S = 2.0
+
+
+class Ending(enum.IntEnum):
+    RUNNING = 0
+    DRAIN = 1
+    STOP = 2
+    FAIL = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    ending: Ending
+    reason: str = ""
+    failure: BaseException | None = None  # FAIL only
+    data_ended: bool = False  # DRAIN because every producer's data ended (not just gone)
+
+
+RUNNING = Verdict(Ending.RUNNING)
+
+
+class RunEnd:
+    """The decision for one trainer (see the module docstring). Thread-safe."""
+
+    def __init__(
+        self,
+        stop: threading.Event,
+        data_ended: Callable[[], bool],
+        checks: Sequence[Callable[[], None]] = (),
+        gone_grace_s: float = GONE_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stop = stop
+        self.data_ended = data_ended
+        self.checks = list(checks)
+        self.gone_grace_s = gone_grace_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._verdict = RUNNING
+        self._gone_at: float | None = None
+
+    @property
+    def verdict(self) -> Verdict:
+        """The latest verdict, without looking again."""
+        return self._verdict
+
+    def poll(self) -> Verdict:
+        """Look at every input once; the verdict, which never goes down."""
+        with self._lock:
+            self._raise_to(self._look())
+            return self._verdict
+
+    def _look(self) -> Verdict:
+        if self.stop.is_set():
+            return Verdict(Ending.STOP, "stop requested")
+        for check in self.checks:
+            try:
+                check()
+            except ClosedError as exc:  # every producer process ended: drain after a grace
+                if self._gone_at is None:
+                    self._gone_at = self.clock()
+                    log.info("%s: training what they delivered", exc)
+            except Exception as exc:  # noqa: BLE001 - every failure ends the run, by its type
+                return Verdict(Ending.FAIL, f"{type(exc).__name__}: {exc}", failure=exc)
+        if self.data_ended():
+            return Verdict(Ending.DRAIN, "every producer's data ended", data_ended=True)
+        if self._gone_at is not None and self.clock() - self._gone_at >= self.gone_grace_s:
+            return Verdict(Ending.DRAIN, "every producer process ended")
+        return RUNNING
+
+    def _raise_to(self, verdict: Verdict) -> None:
+        if verdict.ending > self._verdict.ending:
+            self._verdict = verdict

@@ -1,0 +1,86 @@
+"""``consumer/run_end.py``: the one decision of when a run ends, and why."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
+from stagefeed.consumer.run_end import Ending, RunEnd
+
+
+class Inputs:
+    """What a RunEnd looks at, set by the test; the clock moves only when told."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.ended = False
+        self.raises: BaseException | None = None
+        self.now = 0.0
+
+    def check(self) -> None:
+        if self.raises is not None:
+            raise self.raises
+
+    def run_end(self, grace_s: float = 2.0) -> RunEnd:
+        return RunEnd(self.stop, lambda: self.ended, [self.check], grace_s, lambda: self.now)
+
+
+def test_running_until_something_ends_the_run():
+    inputs = Inputs()
+    assert inputs.run_end().poll().ending is Ending.RUNNING
+
+
+def test_the_data_ending_drains_and_says_so():
+    inputs = Inputs()
+    run_end = inputs.run_end()
+    inputs.ended = True
+    verdict = run_end.poll()
+    assert (verdict.ending, verdict.data_ended) == (Ending.DRAIN, True)
+
+
+def test_producers_gone_without_end_drain_after_the_grace_only():
+    inputs = Inputs()
+    run_end = inputs.run_end(grace_s=2.0)
+    inputs.raises = ClosedError("all producers ended")
+    assert run_end.poll().ending is Ending.RUNNING
+    inputs.now = 1.9
+    assert run_end.poll().ending is Ending.RUNNING
+    inputs.now = 2.0
+    verdict = run_end.poll()
+    assert (verdict.ending, verdict.data_ended) == (Ending.DRAIN, False)
+    assert verdict.reason == "every producer process ended"
+
+
+@pytest.mark.parametrize("error", [BrokenError("intake broke"), ConfigError("bad batch"),
+                                   RuntimeError("a bug")])  # fmt: skip
+def test_any_failed_check_fails_the_run_with_the_exception_as_it_came(error):
+    inputs = Inputs()
+    inputs.raises = error
+    verdict = inputs.run_end().poll()
+    assert verdict.ending is Ending.FAIL and verdict.failure is error
+    assert type(error).__name__ in verdict.reason
+
+
+def test_verdicts_only_rise_and_the_first_of_a_level_is_kept():
+    inputs = Inputs()
+    run_end = inputs.run_end()
+    inputs.ended = True
+    assert run_end.poll().ending is Ending.DRAIN
+    inputs.ended = False  # nothing goes back to running
+    assert run_end.poll().ending is Ending.DRAIN
+    inputs.stop.set()  # a stop during a drain stops
+    assert run_end.poll().ending is Ending.STOP
+    first = BrokenError("first")
+    inputs.stop.clear()
+    inputs.raises = first
+    assert run_end.poll().failure is first  # a failure during a stop fails
+    inputs.raises = BrokenError("second")
+    assert run_end.poll().failure is first
+    inputs.stop.set()
+    assert run_end.poll().ending is Ending.FAIL
+    assert run_end.verdict.failure is first
+
+
+def test_the_levels_are_ordered_for_a_collective_max():
+    assert sorted(Ending) == [Ending.RUNNING, Ending.DRAIN, Ending.STOP, Ending.FAIL]
