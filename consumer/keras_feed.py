@@ -21,6 +21,7 @@ from stagefeed.common.schema import ArraySpec
 
 if TYPE_CHECKING:
     from stagefeed.consumer.feed import Feed
+    from stagefeed.consumer.step_books import BooksFigures
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class FeedCallback(keras.callbacks.Callback):
         self.feed = feed
         self.prefix = prefix
         self._first_step = 0
+        # The books after the last step, taken once a step (a snapshot drains the dequeue log
+        # and asks TensorFlow for the queue's size): callbacks after this one read it here.
+        self.step_figures: BooksFigures | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.feed.books.begin()
@@ -58,8 +62,9 @@ class FeedCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.feed.books.step_done(batch - self._first_step + 1)
+        self.step_figures = self.feed.books.figures()
         if logs is not None:
-            logs.update(self.feed.books.figures().logs(self.prefix))
+            logs.update(self.step_figures.logs(self.prefix))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         figures = self.feed.books.figures()

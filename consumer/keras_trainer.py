@@ -41,6 +41,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import models
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.devices import training_device
+from stagefeed.consumer.keras_feed import FeedCallback
 from stagefeed.consumer.keras_model import check_model
 from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
 from stagefeed.consumer.served_feed import ServedFeed
@@ -114,8 +115,8 @@ class KerasTrainer(TrainerBase):
         options = self.options
         total = options.total_steps
         watch = _Watch(self, stop, health_check).start()
-        steps = _Steps(self)
-        callbacks: list[keras.callbacks.Callback] = [self.feed.callback(), steps]
+        books = self.feed.callback()
+        callbacks: list[keras.callbacks.Callback] = [books, _Steps(self, books)]
         try:
             with warnings.catch_warnings():  # the data ending inside an epoch is expected
                 warnings.filterwarnings("ignore", message=".*ran out of data")
@@ -185,9 +186,10 @@ def keras_format(model: keras.Model) -> ModelFormat:
 class _Steps(keras.callbacks.Callback):
     """After ``FeedCallback`` has booked a step: its ``StepRecord``, to the trainer."""
 
-    def __init__(self, trainer: KerasTrainer) -> None:
+    def __init__(self, trainer: KerasTrainer, books: FeedCallback) -> None:
         super().__init__()
         self.trainer = trainer
+        self.books = books  # runs first: its figures of the step are read here
         self._last_end = 0.0
         self._wait_s = 0.0
         self._queued = 0
@@ -197,9 +199,9 @@ class _Steps(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         trainer = self.trainer
-        assert trainer.feed is not None
         now = time.monotonic()
-        figures = trainer.feed.books.figures()
+        figures = self.books.step_figures
+        assert figures is not None
         elapsed = now - self._last_end
         wait = min(max(figures.wait_s - self._wait_s, 0.0), elapsed)
         step = figures.steps
