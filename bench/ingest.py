@@ -43,7 +43,8 @@ from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema
 from stagefeed.consumer import malloc_policy
-from stagefeed.consumer.trainer import StepRecord, Trainer
+from stagefeed.consumer.train_steps import StepRecord
+from stagefeed.consumer.trainer import Trainer
 from stagefeed.producer.pool import ProducerPool, pool_check
 
 log = logging.getLogger(__name__)

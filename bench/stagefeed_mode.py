@@ -20,7 +20,8 @@ from stagefeed.bench.feed_path import Loopback
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.consumer import model
-from stagefeed.consumer.trainer import StepRecord, Trainer
+from stagefeed.consumer.train_steps import StepRecord
+from stagefeed.consumer.trainer import Trainer
 from stagefeed.producer.pool import pool_check
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from stagefeed.consumer.figures import (
 from stagefeed.consumer.progress import Progress
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.trainer import StepRecord
+    from stagefeed.consumer.train_steps import StepRecord
 
 log = logging.getLogger("stagefeed.monitor")
 

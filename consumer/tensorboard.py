@@ -28,7 +28,7 @@ from stagefeed.common.lifecycle import join_threads
 from stagefeed.consumer.figures import Figures, Snapshot
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.trainer import StepRecord
+    from stagefeed.consumer.train_steps import StepRecord
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

@@ -26,7 +26,7 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer.figures import RunFacts, RunReader
 
-log = logging.getLogger("stagefeed.consumer.trainer")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

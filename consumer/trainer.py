@@ -1,7 +1,7 @@
 """The graph-mode trainer: intake + feeding graph + the train loop that measures its own stalls.
 
-``StepRecord`` and ``StepObserver`` live in ``consumer.train_steps`` (shared with the Keras
-trainer) and are re-exported here, where observers have always imported them.
+Step records and observers are ``consumer.train_steps``' (shared with the Keras trainer; public
+as ``stagefeed.StepRecord`` and ``stagefeed.StepObserver``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from stagefeed.consumer.graph_saver import saver_format
 from stagefeed.consumer.intake import Intake
 from stagefeed.consumer.run_end import Ending, RunEnd
 from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase
-
-__all__ = ["StepObserver", "StepRecord", "Trainer"]
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

@@ -25,12 +25,10 @@ import threading
 
 import numpy as np
 import tensorflow as tf
-from stagefeed.common.options import ProducerOptions, TrainerOptions
-from stagefeed.common.schema import image_schema
-from stagefeed.consumer.trainer import StepRecord, Trainer
 from stagefeed.producer.pool import ProducerPool, pool_check
 
 from examples import run_in_directory
+from stagefeed import ProducerOptions, StepRecord, Trainer, TrainerOptions, image_schema
 
 log = logging.getLogger(__name__)
 

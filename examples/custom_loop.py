@@ -16,10 +16,9 @@ from collections.abc import Iterator
 import keras
 import numpy as np
 import tensorflow as tf
-from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer.feed import Feed
 
 from examples.filler import ThreadFiller
+from stagefeed import ArraySpec, Feed, Schema
 
 log = logging.getLogger(__name__)
 

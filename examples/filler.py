@@ -11,7 +11,8 @@ import threading
 from collections.abc import Iterable, Mapping
 
 import numpy as np
-from stagefeed.consumer.feed import Feed
+
+from stagefeed import Feed
 
 log = logging.getLogger(__name__)
 

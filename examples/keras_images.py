@@ -20,11 +20,9 @@ from collections.abc import Iterator
 
 import keras
 import numpy as np
-from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer.feed import Feed
-from stagefeed.consumer.keras_feed import cast_layer
 
 from examples.filler import ThreadFiller
+from stagefeed import ArraySpec, Feed, Schema, cast_layer
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ Over the command line::
 from __future__ import annotations
 
 import numpy as np
-from stagefeed.common.schema import ArraySpec, Schema
+
+from stagefeed import ArraySpec, Schema
 
 VOCAB = 1000
 SCHEMA = Schema(

@@ -2,8 +2,9 @@
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
 this package without TensorFlow: the trainer-side names (``Feed``, ``ServedFeed``,
-``Trainer``, ``KerasTrainer``, and ``keep_freed_memory``, which does not) are loaded on first
-use (PEP 562), and only the first four import TensorFlow.
+``Trainer``, ``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and
+``keep_freed_memory``) are loaded on first use (PEP 562); all but the step records and
+``keep_freed_memory`` import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 ``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
@@ -41,10 +42,13 @@ _LAZY = {
     "Feed": "stagefeed.consumer.feed",
     "KerasTrainer": "stagefeed.consumer.keras_trainer",
     "ServedFeed": "stagefeed.consumer.served_feed",
+    "StepObserver": "stagefeed.consumer.train_steps",
+    "StepRecord": "stagefeed.consumer.train_steps",
     "Trainer": "stagefeed.consumer.trainer",
+    "cast_layer": "stagefeed.consumer.keras_feed",
     "keep_freed_memory": "stagefeed.consumer.malloc_policy",  # no TensorFlow
 }
-_WITH_TENSORFLOW = {"Feed", "KerasTrainer", "ServedFeed", "Trainer"}
+_WITH_TENSORFLOW = {"Feed", "KerasTrainer", "ServedFeed", "Trainer", "cast_layer"}
 
 __all__ = [
     "ArraySpec",
@@ -62,9 +66,12 @@ __all__ = [
     "SchemaMismatch",
     "ServedFeed",
     "StagefeedError",
+    "StepObserver",
+    "StepRecord",
     "Trainer",
     "TrainerOptions",
     "__version__",
+    "cast_layer",
     "image_schema",
     "keep_freed_memory",
     "load_schema",

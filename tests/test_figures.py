@@ -22,7 +22,7 @@ from stagefeed.consumer.figures import (
     figures_between,
     take_snapshot,
 )
-from stagefeed.consumer.trainer import StepRecord
+from stagefeed.consumer.train_steps import StepRecord
 
 SPEC = image_schema(batch_size=2)
 FACTS = RunFacts("/cpu:0", 2, SPEC.batch_bytes, "float32", queue_capacity=10)

@@ -17,7 +17,7 @@ from stagefeed.common.schema import image_schema
 from stagefeed.consumer.figures import RunFacts, RunReader, StepCounters, take_snapshot
 from stagefeed.consumer.metrics_http import CLIENT_TIMEOUT_S, MAX_CLIENTS, MetricsServer
 from stagefeed.consumer.monitor import ObserveOptions
-from stagefeed.consumer.trainer import StepRecord
+from stagefeed.consumer.train_steps import StepRecord
 
 from stagefeed.cli import build_parser
 from tests.conftest import TINY, cli_env, free_tcp_port, run_cli, wait_for

@@ -19,7 +19,8 @@ from stagefeed.common.schema import image_schema
 from stagefeed.consumer.figures import RunFacts, RunReader
 from stagefeed.consumer.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
 from stagefeed.consumer.summary import format_text, summarize
-from stagefeed.consumer.trainer import StepRecord, Trainer
+from stagefeed.consumer.train_steps import StepRecord
+from stagefeed.consumer.trainer import Trainer
 
 from tests.figures_util import BATCH_BYTES, window
 

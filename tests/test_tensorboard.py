@@ -22,7 +22,7 @@ from stagefeed.consumer.figures import (
 )
 from stagefeed.consumer.monitor import Monitor, ObserveOptions
 from stagefeed.consumer.tensorboard import TensorBoardWriter
-from stagefeed.consumer.trainer import StepRecord
+from stagefeed.consumer.train_steps import StepRecord
 
 from tests.conftest import TINY, run_cli
 
