@@ -235,27 +235,25 @@ def test_a_batch_before_hello_books_nothing_under_any_name(running):
     assert summary["<unidentified>"]["dropped"] == {"no_hello": 1}
 
 
-def disconnected(m: procs.Metrics) -> int:
-    return int(
-        m.samples.get(("stagefeed_connection_events_total", (("event", "disconnected"),)), 0)
-    )
-
-
 def stop_first(trainer: procs.Trainer, producer, *peers: Peer) -> None:
     """Stop the producers before the trainer, so no batch is in flight when it stops: until
     the trainer has seen each of them go and its queue is empty (it took every batch it
     received, so no enqueue is waiting for room)."""
-    gone = disconnected(trainer.metrics()) + 1 + len(peers)
+    gone = procs.disconnections_of(trainer.metrics()) + 1 + len(peers)
     for peer in peers:
         peer.send(wire.control("end", seq=1))
         peer.close()
     producer.signal()
     assert producer.wait(30) == 0, procs.log_text(producer)
     settled = trainer.wait_metrics(
-        lambda m: disconnected(m) >= gone and m.samples[("stagefeed_queue_batches", ())] == 0,
+        lambda m: (
+            procs.disconnections_of(m) >= gone and m.samples[("stagefeed_queue_batches", ())] == 0
+        ),
         60,
     )
-    assert disconnected(settled) >= gone, f"the trainer saw {disconnected(settled)} of {gone} go"
+    assert procs.disconnections_of(settled) >= gone, (
+        f"the trainer saw {procs.disconnections_of(settled)} of {gone} go"
+    )
     assert settled.samples[("stagefeed_queue_batches", ())] == 0, "the trainer's queue is not empty"
 
 
