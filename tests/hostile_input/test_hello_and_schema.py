@@ -76,7 +76,7 @@ def test_hello_with_a_forged_schema_is_refused(target):
         assert refusal_count(after, "spec_mismatch") == refused_before + 1, key
         # A batch on the refused connection is a batch before an accepted hello.
         check_dropped(target, p, one(key, wire.good_frames(0), "no_hello"))
-        assert p.wait(lambda p=p: len(p.refusals) == 2)
+        assert p.wait(lambda p=p: len(p.refusals) == 2), p.refusals
         assert p.refusals[1]["reason"] == "no_hello"
     check_still_training(target, start)
 
