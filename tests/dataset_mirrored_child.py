@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import itertools
 import json
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -23,8 +22,10 @@ from stagefeed.consumer.feed import Feed  # noqa: E402
 
 from examples import custom_loop  # noqa: E402
 from examples.filler import ThreadFiller  # noqa: E402
+from tests.conftest import wait_for  # noqa: E402
 
 MARKED = Schema((ArraySpec("marker", "int64", ()), ArraySpec("x", "float32", (4,))), 8)
+FILL_WAIT_S = 60
 WEIGHTS = np.array([1.0, -1.0, 2.0, 0.5], np.float32)
 
 
@@ -59,7 +60,11 @@ def replicas_see_what_the_books_say(strategy: tf.distribute.Strategy) -> dict:
             seen = [int(v) for v in strategy.experimental_local_results(step(iterator))]
             _, seqs = feed.books.step_done()
             steps.append({"seen": seen, "booked": seqs})
-        time.sleep(0.5)  # let the buffers fill
+        # The buffers have pulled what they hold ahead, with the queue behind them full: the
+        # filler never stops, so they had all they could take.
+        filled = wait_for(
+            lambda: feed.figures().in_queue == 8 and feed.figures().in_flight >= 2, FILL_WAIT_S
+        )
         ahead = feed.figures().in_flight
         feed.books.end()
         del iterator
@@ -69,6 +74,7 @@ def replicas_see_what_the_books_say(strategy: tf.distribute.Strategy) -> dict:
         "devices": devices,
         "steps": steps,
         "ahead": ahead,
+        "filled": filled,
         "per_step": feed.books.batches_per_step,
         "balanced": balanced(figures),
         "trained": figures.trained,

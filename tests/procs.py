@@ -27,22 +27,46 @@ QUEUE_MB = 4
 TRAINER_FLAGS = [
     *TINY, "--steps", "0", "--queue-mb", str(QUEUE_MB), "--progress-s", "1", "--on-nan", "warn",
 ]  # fmt: skip
-# glibc keeps freed batch-sized buffers in its per-thread arenas (its mmap threshold rises to
-# the size of the last large free), so RSS can sit above the live bytes by a few batches per
-# thread that handles them. Measured here: 5-20 MiB above the bytes in flight with the old
-# proxy receive path; 40-80 MiB with the intake (libzmq's I/O threads allocate each frame,
-# enqueue threads free it, TensorFlow copies it: more arenas touch every batch). A plateau,
-# not growth: five samples under a flood went 816, 783, 753, 755, 780 MiB.
-ALLOCATOR_ALLOWANCE_MIB = 96
+
+
+def trainer_options(max_message_mb: float = 0.0) -> TrainerOptions:
+    """The options of these tests' trainers (``TINY`` batches, ``QUEUE_MB``)."""
+    return TrainerOptions(
+        schema=image_schema(batch_size=2), queue_mb=QUEUE_MB, max_message_mb=max_message_mb
+    )
 
 
 def trainer_budget_mib(producers: int, max_message_mb: float = 0.0) -> float:
     """The trainer's bound on bytes held (``TrainerOptions.held_bytes_bound``) for these
-    tests' trainers (``TINY`` batches, ``QUEUE_MB``), ``producers`` connected."""
-    options = TrainerOptions(
-        schema=image_schema(batch_size=2), queue_mb=QUEUE_MB, max_message_mb=max_message_mb
-    )
-    return options.held_bytes_bound(producers) / MIB
+    tests' trainers, ``producers`` connected."""
+    return trainer_options(max_message_mb).held_bytes_bound(producers) / MIB
+
+
+def batch_threads(options: TrainerOptions) -> int:
+    """Threads of a trainer that allocate batch-sized buffers: libzmq's I/O threads, which
+    allocate every frame received (``min(4, recv_threads)`` of them: consumer/intake.py,
+    ``Intake.start``), and the enqueue threads (``recv_threads``), in which TensorFlow copies
+    unaligned frames."""
+    return min(4, options.recv_threads) + options.recv_threads
+
+
+def allocator_allowance_mib(producers: int, max_message_mb: float = 0.0) -> float:
+    """What glibc's malloc may keep, freed, of batch buffers over and above the bytes the
+    trainer holds: the margin of a check on its RSS, computed from its configuration.
+
+    The malloc policy (consumer/malloc_policy.py) turns trimming off, so what malloc frees it
+    keeps, and RSS stays at its high-water mark. A block freed goes back to the arena it came
+    from, and an arena keeps at most the most bytes that were live in it at once (its
+    fragmentation is not modelled). Each thread that allocates batch buffers
+    (``batch_threads``) may have an arena of its own, and none of them holds more batch
+    bytes at once than the trainer does in all (``held_bytes_bound``). So over its steady
+    state the trainer's heap takes at most ``batch_threads x held_bytes_bound``: one bound for
+    the bytes it holds (``trainer_budget_mib``), and this allowance,
+    ``(batch_threads - 1) x held_bytes_bound``, for what the other arenas keep freed. For
+    these tests' trainers (2 enqueue threads, 2 I/O threads) that is three bounds.
+    """
+    options = trainer_options(max_message_mb)
+    return (batch_threads(options) - 1) * options.held_bytes_bound(producers) / MIB
 
 
 class Spawner:
@@ -219,18 +243,33 @@ def workers_of(started, count: int, timeout: float = 60) -> list[psutil.Process]
     return list(seen)
 
 
-class PeakRss:
-    """A process's peak RSS since ``reset()``: the kernel's VmHWM, reset through clear_refs.
+def steps_of(m: Metrics) -> int:
+    """Train steps the trainer has run (``stagefeed_steps_total``)."""
+    return int(m.samples.get(("stagefeed_steps_total", ()), 0))
 
-    A train step's working set comes and goes (here RSS swings by ~65 MiB within each step),
-    so peaks are compared with peaks: ``steady()`` is the peak over a window of several steps.
+
+def disconnections_of(m: Metrics) -> int:
+    """Connections the trainer has seen go (``stagefeed_connection_events_total``)."""
+    key = ("stagefeed_connection_events_total", (("event", "disconnected"),))
+    return int(m.samples.get(key, 0))
+
+
+class PeakRss:
+    """A trainer's peak RSS since ``reset()``: the kernel's VmHWM, reset through clear_refs.
+
+    A train step's working set comes and goes, so peaks are compared with peaks over whole
+    steps: a window is ``WINDOW_STEPS`` steps the trainer ran after the reset, counted by its
+    ``stagefeed_steps_total``. (A window of 2 s missed a step's working set whenever a step
+    took longer, as it can on a loaded machine.)
     """
 
-    WINDOW_S = 2.0
+    WINDOW_STEPS = 3
+    WINDOW_TIMEOUT_S = 120.0
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.reset_at = time.monotonic()
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.pid = trainer.pid
+        self.steps_at_reset = steps_of(trainer.metrics())
 
     def _status(self, key: str) -> float:
         with open(f"/proc/{self.pid}/status") as f:
@@ -240,12 +279,19 @@ class PeakRss:
         """Reset the high-water mark to the current RSS."""
         with open(f"/proc/{self.pid}/clear_refs", "w") as f:
             f.write("5")
-        self.reset_at = time.monotonic()
+        self.steps_at_reset = steps_of(self.trainer.metrics())
 
     def peak_mib(self, window: bool = False) -> float:
-        """The peak since ``reset()``; ``window``: after at least ``WINDOW_S`` since it."""
+        """The peak since ``reset()``; ``window``: once ``WINDOW_STEPS`` whole steps ran since
+        it (the step under way at the reset, and any that ended before the count was read,
+        do not count)."""
         if window:
-            time.sleep(max(0.0, self.reset_at + self.WINDOW_S - time.monotonic()))
+            want = self.steps_at_reset + self.WINDOW_STEPS + 1
+            m = self.trainer.wait_metrics(lambda m: steps_of(m) >= want, self.WINDOW_TIMEOUT_S)
+            assert steps_of(m) >= want, (
+                f"the trainer ran {steps_of(m) - self.steps_at_reset} steps in "
+                f"{self.WINDOW_TIMEOUT_S:.0f} s, not the {self.WINDOW_STEPS} + 1 of a window"
+            )
         return self._status("VmHWM")
 
     def steady(self) -> float:

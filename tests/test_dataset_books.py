@@ -60,7 +60,9 @@ def test_each_step_books_exactly_the_batch_it_trained_and_the_books_balance():
             seen = int(step(iterator))
             _, seqs = feed.books.step_done()
             assert seqs == [seen]
-        assert wait_for(lambda: feed.figures().in_flight >= 1, timeout=10)
+        assert wait_for(lambda: feed.figures().in_flight >= 1, timeout=10), (
+            "no batch buffered ahead within 10 s"
+        )
         feed.books.end()  # the buffered batches are abandoned with the iterator
         del iterator
         gc.collect()
@@ -79,7 +81,9 @@ def test_a_dropped_iterator_abandons_its_buffered_batches_and_the_next_one_is_bo
     first = iter(dataset)
     assert [int(step(first)) for _ in range(2)] == [0, 1]
     feed.books.step_done(2)
-    assert wait_for(lambda: feed.figures().in_flight >= 2, timeout=10)  # buffers filled
+    assert wait_for(lambda: feed.figures().in_flight >= 2, timeout=10), (
+        f"{feed.figures().in_flight} of 2 batches buffered ahead within 10 s"
+    )
     del first  # its prefetched batches are gone with it
     gc.collect()
     second = iter(dataset)
@@ -115,7 +119,10 @@ def test_input_wait_is_the_share_of_time_dequeues_blocked_on_an_empty_queue():
         slow_figures = slow.figures()
     fast = Feed(SCHEMA, 8, stage_depth=1)
     with ThreadFiller(fast, batches()):
-        time.sleep(0.3)  # the queue fills up before training starts
+        # The queue is full before training starts.
+        assert wait_for(lambda: fast.figures().in_queue == 8, timeout=30), (
+            f"the queue holds {fast.figures().in_queue} of 8 after 30 s"
+        )
         run_timed(fast, 5)
     assert slow_figures.wait_s >= 0.35 and slow_wait > 0.5
     assert fast.figures().wait_s < 0.05  # a ready batch: no wait to speak of

@@ -38,6 +38,7 @@ def test_each_replica_gets_its_batch_on_its_device_and_the_books_name_it(mirrore
     assert [step["seen"] for step in books["steps"]] == booked
     flat = [seq for seqs in booked for seq in seqs]
     assert flat == list(range(flat[0], flat[0] + 8))  # two whole batches a step, in order
+    assert books["filled"], "not 2 batches ahead with the queue full within 60 s (FILL_WAIT_S)"
     assert 2 <= books["ahead"] <= 10  # per-replica device buffers hold batches ahead
     assert books["balanced"] and books["trained"] == 10
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 import zmq
@@ -112,8 +111,12 @@ def books(r: Running) -> dict[str, dict]:
 
 def settle(r: Running, received: int) -> None:
     """Wait until the ledger has ``received`` valid batches and the recorder has them all."""
-    assert wait_for(lambda: r.ledger.totals().received >= received, WAIT_S, interval=0.01)
-    assert r.recorder.wait_count(received)
+    assert wait_for(lambda: r.ledger.totals().received >= received, WAIT_S, interval=0.01), (
+        f"the ledger received {r.ledger.totals().received} of {received} in {WAIT_S} s"
+    )
+    assert r.recorder.wait_count(received), (
+        f"the intake handed over {len(r.recorder.got)} of {received} in {WAIT_S} s"
+    )
 
 
 def test_two_connections_claiming_one_name_get_separate_books(running):
@@ -159,7 +162,7 @@ def test_no_header_field_writes_into_another_connections_books(running):
     settle(running, 7)
     assert wait_for(
         lambda: books(running)["attacker"]["dropped"].get("header_fields") == len(forged), WAIT_S
-    )
+    ), f"the attacker's forged headers not all dropped in {WAIT_S} s: {books(running)}"
     summary = books(running)
     assert summary["victim"] == {**before, "active_s": summary["victim"]["active_s"]}
     attacker_books = summary["attacker"]
@@ -221,23 +224,37 @@ def test_a_batch_before_hello_books_nothing_under_any_name(running):
     owner.hello("owner")
     stranger = running.peer()
     stranger.send(batch(0))
-    assert stranger.wait(lambda: bool(stranger.refusals))
+    assert stranger.wait(lambda: bool(stranger.refusals)), "no refusal of a batch before hello"
     assert stranger.refusals[0]["reason"] == "no_hello"
     # The reply goes out before the drop is booked.
-    assert wait_for(lambda: running.ledger.drops_by_reason() == {"no_hello": 1}, WAIT_S)
+    assert wait_for(lambda: running.ledger.drops_by_reason() == {"no_hello": 1}, WAIT_S), (
+        running.ledger.drops_by_reason()
+    )
     summary = books(running)
     assert summary["owner"]["dropped"] == {} and summary["owner"]["received"] == 0
     assert summary["<unidentified>"]["dropped"] == {"no_hello": 1}
 
 
-def stop_first(producer, *peers: Peer) -> None:
-    """Stop the producers before the trainer, so no batch is in flight when it stops."""
+def stop_first(trainer: procs.Trainer, producer, *peers: Peer) -> None:
+    """Stop the producers before the trainer, so no batch is in flight when it stops: until
+    the trainer has seen each of them go and its queue is empty (it took every batch it
+    received, so no enqueue is waiting for room)."""
+    gone = procs.disconnections_of(trainer.metrics()) + 1 + len(peers)
     for peer in peers:
         peer.send(wire.control("end", seq=1))
         peer.close()
     producer.signal()
-    producer.wait(30)
-    time.sleep(1)
+    assert producer.wait(30) == 0, procs.log_text(producer)
+    settled = trainer.wait_metrics(
+        lambda m: (
+            procs.disconnections_of(m) >= gone and m.samples[("stagefeed_queue_batches", ())] == 0
+        ),
+        60,
+    )
+    assert procs.disconnections_of(settled) >= gone, (
+        f"the trainer saw {procs.disconnections_of(settled)} of {gone} go"
+    )
+    assert settled.samples[("stagefeed_queue_batches", ())] == 0, "the trainer's queue is not empty"
 
 
 # -- CURVE: books labelled by the key ------------------------------------------------------------
@@ -310,7 +327,8 @@ def test_trainer_labels_books_and_metrics_by_curve_key(tmp_path, keys):
         assert live.received[mimic_label] == 1
         was = live.trained[good]
         assert trainer.wait_metrics(lambda m: m.trained.get(good, 0) > was, 30).trained[good] > was
-        stop_first(producer, other)  # see test_a_batch_in_flight_at_stop_does_not_hang_the_intake
+        # See test_a_batch_in_flight_at_stop_does_not_hang_the_intake.
+        stop_first(trainer, producer, other)
         summary = trainer.stop()
         assert summary["producers"][good]["seq_missing"] == 0
         assert summary["producers"][good]["dropped"] == {}

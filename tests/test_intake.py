@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import zmq
 from stagefeed.common import protocol
+from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
+from stagefeed.consumer.frames import receive_message
 from stagefeed.consumer.intake import Intake
 
 SCHEMA = Schema(
@@ -77,7 +79,7 @@ def _replies(sock, until, timeout_s: float = 10.0) -> list[dict]:
     while not until(got) and time.monotonic() < deadline:
         if sock.poll(50):
             got.append(protocol.decode_header(sock.recv(), protocol.FROM_TRAINER))
-    assert until(got), got
+    assert until(got), f"replies in {timeout_s} s: {got}"
     return got
 
 
@@ -90,13 +92,14 @@ def _hello(sock, name="p-1", schema=None) -> dict:
     return _reply(sock)
 
 
-def _wait(predicate, timeout_s: float = 10.0) -> bool:
+def _wait(predicate, what: str, timeout_s: float = 10.0) -> None:
+    """Poll until ``predicate`` holds; fail saying ``what`` was awaited if it does not."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
-            return True
+            return
         time.sleep(0.02)
-    return predicate()
+    assert predicate(), f"waited {timeout_s} s for {what}"
 
 
 def test_hello_gets_the_schema_and_credit_then_batches_are_enqueued(intake):
@@ -106,7 +109,7 @@ def test_hello_gets_the_schema_and_credit_then_batches_are_enqueued(intake):
     assert welcome["credit"] == 2 and welcome["max_message"] == intake.options.max_message_bytes
     for seq in range(2):
         sock.send_multipart(protocol.encode_batch(seq, GOOD))
-    assert _wait(lambda: len(intake.recorder.got) == 2)
+    _wait(lambda: len(intake.recorder.got) == 2, "2 batches enqueued")
     replies = _replies(sock, lambda r: _credit(r) >= 2)
     assert _credit(replies) == 2  # one credit back per batch handled, no more
     assert intake.ledger.totals().enqueued == 2
@@ -160,7 +163,7 @@ def test_books_belong_to_the_connection_and_a_forged_seq_cannot_lock_anyone_out(
     hostile.send_multipart(protocol.encode_batch(2**63 - 1, GOOD))
     for seq in range(2):
         good.send_multipart(protocol.encode_batch(seq, GOOD))
-    assert _wait(lambda: len(intake.recorder.got) == 3)
+    _wait(lambda: len(intake.recorder.got) == 3, "3 batches enqueued")
     summary = intake.ledger.summary()
     books = sorted((s["received"], s["dropped"]) for s in summary.values())
     assert books == [(1, {"seq_range": 1}), (2, {})]
@@ -182,10 +185,29 @@ def test_hostile_messages_are_dropped_and_the_intake_goes_on(intake, frames, rea
     sock = _peer(intake)
     _hello(sock)
     sock.send_multipart(frames)
-    assert _wait(lambda: intake.ledger.drops_by_reason().get(reason) == 1, 30)
+    _wait(lambda: intake.ledger.drops_by_reason().get(reason) == 1, f"a {reason} drop", 30)
     sock.send_multipart(protocol.encode_batch(0, GOOD))
-    assert _wait(lambda: len(intake.recorder.got) == 1)
+    _wait(lambda: len(intake.recorder.got) == 1, "the good batch after it enqueued")
     intake.check()
+
+
+def test_the_frame_reader_keeps_at_most_its_limit_of_a_long_message():
+    """What the intake holds of a message of 200k empty frames is its limit of frames (the
+    rest read and let go), however many there are; they count, and the message is refused."""
+    ctx = zmq.Context()
+    try:
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        router.bind("tcp://127.0.0.1:*")
+        dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+        dealer.send_multipart([b"header"] + [b""] * 200_000)
+        assert router.poll(30_000), "the 200k-frame message did not arrive in 30 s"
+        message = receive_message(router, max_frames=17, max_bytes=2**20)
+        assert (len(message.frames), message.count, message.total) == (17, 200_001, 6)
+        with pytest.raises(ProtocolError) as refused:
+            message.check(17, 2**20)
+        assert refused.value.reason is DropReason.PARTS
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_deeply_nested_header_cannot_stop_the_intake(intake):
@@ -195,7 +217,7 @@ def test_deeply_nested_header_cannot_stop_the_intake(intake):
     sock = _peer(intake)
     _hello(sock)
     sock.send_multipart([msgpack.packb({"v": 2, "t": "batch", "seq": 0, "arrays": deep}), b"x"])
-    assert _wait(lambda: intake.ledger.drops_by_reason().get("header_fields") == 1)
+    _wait(lambda: intake.ledger.drops_by_reason().get("header_fields") == 1, "the drop")
     intake.check()
 
 
@@ -205,8 +227,8 @@ def test_data_ends_once_every_live_producer_said_end_and_all_was_handled(intake)
     _hello(b, name="b")
     a.send_multipart(protocol.encode_batch(0, GOOD))
     a.send(protocol.encode_control("end", seq=1))
-    assert _wait(lambda: intake.ledger.summary()["a"]["ended_after"] == 1)
+    _wait(lambda: intake.ledger.summary()["a"]["ended_after"] == 1, "a's end booked")
     assert not intake.data_ended()  # b has not ended
     b.send(protocol.encode_control("end", seq=0))
-    assert _wait(intake.data_ended)
+    _wait(intake.data_ended, "the data to end")
     assert intake.recorder.got == [(0, 0)]

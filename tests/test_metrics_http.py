@@ -251,7 +251,9 @@ def test_idle_connections_do_not_delay_a_scrape_and_are_cut_after_the_client_lim
         assert value(metrics, "stagefeed_steps_total") == 1
         assert all(still_open) or answered_within < CLIENT_S, answered_within
         # Then each is cut once its time is up.
-        assert wait_for(lambda: all(_closed_by_peer(s) for s in idle), 10)
+        assert wait_for(lambda: all(_closed_by_peer(s) for s in idle), 10), (
+            "idle connections not cut within 10 s"
+        )
         for s in idle:
             s.close()
     finally:
@@ -287,13 +289,17 @@ def test_connections_beyond_the_limit_are_refused_and_close_cuts_the_rest() -> N
     server, _, _ = _served(client_s=CLIENT_TIMEOUT_S)  # all held while the ninth comes
     try:
         held = [_idle(server.address) for _ in range(MAX_CLIENTS)]
-        assert wait_for(lambda: len(server._server.client_threads()) == MAX_CLIENTS, 10)
+        assert wait_for(lambda: len(server._server.client_threads()) == MAX_CLIENTS, 10), (
+            f"{len(server._server.client_threads())} of {MAX_CLIENTS} clients served after 10 s"
+        )
         extra = _idle(server.address)
-        assert wait_for(lambda: _closed_by_peer(extra), 10)  # refused at once
+        assert wait_for(lambda: _closed_by_peer(extra), 10), "the ninth not refused in 10 s"
         extra.close()
     finally:
         server.close()
-    assert all(wait_for(lambda s=s: _closed_by_peer(s), 5) for s in held)  # close() cut them
+    assert all(wait_for(lambda s=s: _closed_by_peer(s), 5) for s in held), (
+        "close() did not cut every held connection (5 s each)"
+    )
     for s in held:
         s.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("stagefeed-metrics")]

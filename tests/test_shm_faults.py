@@ -75,7 +75,8 @@ def test_producer_killed_mid_write_leaves_no_torn_slot_and_nothing_in_dev_shm(sp
     ]
     assert [link for link in links if link.startswith("/memfd:stagefeed-")], links
     held = pool.view(first)
-    time.sleep(0.2)  # let it write into the torn slot for a while
+    # It has written the torn slot (whole, then on without end) and says so: killed after that.
+    assert channel.recv(timeout=30)[0] == {"written": torn["slot"]}
     child.send_signal(signal.SIGKILL)
     child.communicate(timeout=10)
     assert child.returncode == -signal.SIGKILL
@@ -103,7 +104,10 @@ def _torn(channel: FdChannel) -> None:
         slot = pool.acquire(timeout=5)
         torn = {"pool": pool.pool_id, "slot": slot, "gen": pool.generation(slot), "seq": 3}
         channel.send({"writing": torn})  # the descriptor commit() would have sent
-        arrays, k = pool.arrays(slot), 0
+        arrays = pool.arrays(slot)
+        fill(arrays, 3)
+        channel.send({"written": slot})
+        k = 1
         while True:  # killed in here
             fill(arrays, 3 + k % 2)
             k += 1

@@ -225,7 +225,9 @@ def test_a_batch_on_its_way_when_its_producer_closed_the_pool_is_trained(live):
         assert 0 not in peer.verdicts  # trained, and its slot released
         assert name in shm_procs.memfds(live.trainer.pid)["maps"]
         peer.sock.send(protocol.encode_control("end", seq=1))
-        assert wait_for(lambda: name not in shm_procs.memfds(live.trainer.pid)["maps"], 30)
+        assert wait_for(lambda: name not in shm_procs.memfds(live.trainer.pid)["maps"], 30), (
+            f"the trainer still maps {name} after 30 s"
+        )
         assert live.dropped() == before
         live.trains_on()
     finally:

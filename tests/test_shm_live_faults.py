@@ -11,7 +11,6 @@ from __future__ import annotations
 import mmap
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -36,14 +35,33 @@ def _states(memory: mmap.mmap) -> list[int]:
     return [int(s) for s in header_words(memory, slots, LAYOUT)[:, 2]]
 
 
+def _pixels(memory: mmap.mmap, slot: int) -> np.ndarray:
+    """One pixel in 4096 of the slot's first array (four per chunk of the canary's fill)."""
+    return np.frombuffer(memory, np.uint8, LAYOUT.arrays[0].nbytes,
+                         slot * LAYOUT.stride + LAYOUT.offsets[0])[::4096]  # fmt: skip
+
+
+def _torn_early(memory: mmap.mmap) -> bool:
+    """A slot being written holds two batches' values, the new one (the canary writes its
+    chunks in order, so it is the first pixel's) in at most half of it: more than half of
+    the fill, 80 ms of it at least, is still to come."""
+    for slot, state in enumerate(_states(memory)):
+        if state != WRITING:
+            continue
+        pixels = _pixels(memory, slot)
+        new, samples = int(np.count_nonzero(pixels == pixels[0])), len(pixels)
+        del pixels  # no view may outlive the mapping
+        if new < samples and new <= samples // 2:
+            return True
+    return False
+
+
 def test_producer_killed_mid_write_its_torn_slot_is_never_trained(spawn):
     before = dev_shm()
     # The victim's pool is unmapped once its connection is forgotten: after 3 s of silence.
     trainer = shm_procs.CanaryTrainer(spawn, "--producer-timeout-s", "3")
     survivor = shm_procs.produce(spawn, trainer.endpoint, "--rate", "40", name="survivor")
-    victim = shm_procs.produce(
-        spawn, trainer.endpoint, name="victim", env=cli_env(**SLOW_FILL)
-    )
+    victim = shm_procs.produce(spawn, trainer.endpoint, name="victim", env=cli_env(**SLOW_FILL))
     (survivor_worker,) = procs.workers_of(survivor, 1)
     (victim_worker,) = procs.workers_of(victim, 1)
     trainer.trained_of(victim_worker.pid, 4)
@@ -56,23 +74,25 @@ def test_producer_killed_mid_write_its_torn_slot_is_never_trained(spawn):
     fd = os.open(link, os.O_RDONLY)  # a witness: read the victim's slots after its death
     try:
         memory = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
-        assert wait_for(lambda: WRITING in _states(memory), 30, interval=0.001)
-        time.sleep(0.04)  # a few of its 16 chunks written (10 ms apart), far from the last
+        assert wait_for(lambda: _torn_early(memory), 30, interval=0.001), (
+            f"no slot seen in its first half of a fill within 30 s: states {_states(memory)}"
+        )
         victim_worker.send_signal(signal.SIGKILL)  # in the middle of a fill (160 ms each)
         assert victim.wait(30) == 3 and "exit -9" in procs.log_text(victim)
-        time.sleep(0.2)
+        # Only the victim writes its slots' states: they are final once it is dead.
         torn = [i for i, state in enumerate(_states(memory)) if state == WRITING]
         assert torn, _states(memory)  # a slot half written when the producer died
-        pixels = np.frombuffer(memory, np.uint8, LAYOUT.arrays[0].nbytes,
-                               torn[0] * LAYOUT.stride + LAYOUT.offsets[0])  # fmt: skip
-        assert len(set(pixels[:: 4096].tolist())) == 2  # really torn: two batches' values
+        pixels = _pixels(memory, torn[0])
+        assert len(set(pixels.tolist())) == 2  # really torn: two batches' values
         del pixels
         memory.close()
     finally:
         os.close(fd)
     # The others keep training; the victim's pool is unmapped once TF is done with it.
     trainer.trained_of(survivor_worker.pid, trainer.trained_of(survivor_worker.pid, 0) + 10)
-    assert wait_for(lambda: pool_name not in shm_procs.memfds(trainer.pid)["maps"], 30)
+    assert wait_for(lambda: pool_name not in shm_procs.memfds(trainer.pid)["maps"], 30), (
+        f"the trainer still maps the dead victim's pool {pool_name} after 30 s"
+    )
     assert dev_shm() <= before
     summary = trainer.stop()
     assert summary["loss_last"] == 0, "a corrupted batch was trained"  # the canary's count
@@ -116,7 +136,9 @@ def test_trainer_killed_and_restarted_producers_resume_over_shared_memory(spawn)
         now = shm_procs.memfds(worker.pid)
         assert len(now["fds"]) == 1 and now["maps"] == now["fds"], now
         pools |= now["fds"]
-    assert wait_for(lambda: shm_procs.memfds(second.pid)["maps"] == pools, 30)
+    assert wait_for(lambda: shm_procs.memfds(second.pid)["maps"] == pools, 30), (
+        f"the new trainer maps {shm_procs.memfds(second.pid)['maps']}, not {pools}, after 30 s"
+    )
     summary = second.stop()
     assert summary["shm"]["pools_accepted"] == 2 and summary["shm"]["batches"] >= 10
     assert summary["loss_last"] == 0

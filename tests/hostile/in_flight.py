@@ -13,11 +13,14 @@ from stagefeed.common.schema import Schema
 from tests.hostile.peers import Peer
 from tests.hostile.wire import valid_arrays
 
+WAIT_S = 10.0
+
 
 def stop_with_batch_in_flight() -> int:
     """``python -m tests.hostile stop-in-flight``: an in-process intake whose enqueue returns
-    only after ``close()`` was called (as a FIFOQueue enqueue cancelled at shutdown does).
-    Prints how long ``close()`` took; exits 0 if the process survived it.
+    only once ``close()`` has stopped the intake thread (as a FIFOQueue enqueue cancelled at
+    shutdown does, late). Prints how long ``close()`` took; exits 0 if the process survived
+    it and the intake thread ended.
     """
     from stagefeed.common.ledger import Ledger
     from stagefeed.common.options import TrainerOptions
@@ -25,12 +28,15 @@ def stop_with_batch_in_flight() -> int:
     from stagefeed.consumer.intake import Intake
 
     schema = Schema((ArraySpec("x", "float32", (3,)),), 2)
-    entered, closing = threading.Event(), threading.Event()
+    entered = threading.Event()
+    waited: list[bool] = []
 
     def enqueue(arrays, index, seq) -> bool:
         entered.set()
-        closing.wait(5)
-        time.sleep(0.3)  # the intake thread has seen the stop flag by now
+        # Returns once the intake thread, which close() stops, has ended: its sockets closed.
+        (serving,) = [t for t in threading.enumerate() if t.name == "stagefeed-intake"]
+        serving.join(WAIT_S)
+        waited.append(not serving.is_alive())
         return False  # "closed for shutdown"
 
     options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=schema, queue_mb=1)
@@ -39,12 +45,14 @@ def stop_with_batch_in_flight() -> int:
     peer = Peer(ctx, intake.endpoint, timeout_s=10)
     peer.hello("in-flight")
     peer.send_batch(protocol.encode_batch(0, valid_arrays(schema)))
-    if not entered.wait(10):
+    if not entered.wait(WAIT_S):
         return 2
     began = time.monotonic()
-    threading.Timer(0.05, closing.set).start()
     intake.close()
     print(f"closed in {time.monotonic() - began:.2f} s", flush=True)
     peer.close()
     ctx.term()
+    if waited != [True]:
+        print(f"the intake thread did not end within {WAIT_S} s of close()", flush=True)
+        return 1
     return 0

@@ -11,9 +11,8 @@ import zmq
 
 from tests import procs
 from tests.conftest import REPO, TINY
-from tests.hostile import wire
 from tests.hostile.good_producer import start_good_producer
-from tests.hostile_input.harness import MAX_MESSAGE_MB, Target, new_peer, trained_total
+from tests.hostile_input.harness import MAX_MESSAGE_MB, Target, new_peer, say_end, trained_total
 
 GOOD_RATE = "4"  # batches/s: at least what the trainer takes, so its queue stays full
 PACKAGE = pathlib.Path(__file__).parent  # as pytest names its items' paths: not resolved
@@ -25,9 +24,9 @@ SUMMARY = "test_summary_books_every_case"
 # the summary stops the trainer and checks the books of every test before it, so it comes last.
 RUN_LAST = (MANY_FRAMES, SUMMARY)
 # The files run in this order (as the cases did in the one module they came from). The size
-# and flood cases measure the trainer's RSS against one message's bound, so they come before
-# the hello flood, whose hundreds of connections leave libzmq's memory fragmented: after it,
-# the 200k-frame case rose 10.7-27.9 MiB against a bound of 19.2, before it 9.8-9.9.
+# and flood cases measure what one message costs the trainer, so they come before the hello
+# flood, whose hundreds of connections leave libzmq's memory fragmented: after it, the
+# 200k-frame message once raised the trainer's RSS by 10.7-27.9 MiB, before it by 9.8-9.9.
 FILE_ORDER = (
     "test_framing_and_headers.py",
     "test_arrays.py",
@@ -59,7 +58,7 @@ def target(tmp_path_factory):
         assert trained_total(steady) >= 4, procs.log_text(trainer.started) + procs.log_text(good)
         assert len(steady.trained) <= 1, steady.trained
         label = next(iter(steady.trained), None)
-        peak = procs.PeakRss(trainer.pid)
+        peak = procs.PeakRss(trainer)
         steady_peak = peak.settled()
         yield Target(trainer, label, good, ctx, steady_peak, peak, steady_peak)
     finally:
@@ -72,7 +71,7 @@ def peer(target):
     """A fresh hostile DEALER that said hello (so it has books and credit); ``end`` after."""
     p = new_peer(target)
     yield p
-    p.send(wire.control("end", seq=0))  # its unused credit goes back to the pool
+    say_end(target, p)
 
 
 def _ours(item: pytest.Item) -> bool:

@@ -76,7 +76,7 @@ def test_hello_with_a_forged_schema_is_refused(target):
         assert refusal_count(after, "spec_mismatch") == refused_before + 1, key
         # A batch on the refused connection is a batch before an accepted hello.
         check_dropped(target, p, one(key, wire.good_frames(0), "no_hello"))
-        assert p.wait(lambda p=p: len(p.refusals) == 2)
+        assert p.wait(lambda p=p: len(p.refusals) == 2), p.refusals
         assert p.refusals[1]["reason"] == "no_hello"
     check_still_training(target, start)
 
@@ -98,13 +98,16 @@ def test_refused_hellos_do_not_flood_the_log(target):
         return len(re.findall(r"refused producer", procs.log_text(target.trainer.started)))
 
     before = lines()
+    refused_before = refusal_count(target.metrics(), "spec_mismatch")
     forged = {**TRAINER_SCHEMA.to_dict(), "batch_size": 3}
     peers = [new_peer(target, hello=False) for _ in range(50)]
     for i, p in enumerate(peers):
         p.send(wire.hello(f"log-flood-{i}", forged))
     for p in peers:
         require(p.wait(lambda p=p: bool(p.refusals)), "a forged hello got no refusal")
-    time.sleep(0.5)  # the log line follows the reply
+    # The trainer books a refusal, and logs it unless the log is throttled, before it replies
+    # (common/ledger.py Ledger.refused): with every reply in, all 50 had their chance.
+    assert refusal_count(target.metrics(), "spec_mismatch") == refused_before + 50
     assert lines() - before <= 5
 
 
@@ -169,7 +172,7 @@ def test_hello_flood_is_bounded_and_the_good_producer_keeps_training(target):
     assert {r["reason"] for p in refused for r in p.refusals} == {"peer_limit"}
     after = check_still_training(target, before)
     assert delta(after.dropped, before.dropped) == {}
-    check_peak(target, target.high_mib)
+    check_peak(target)
     # Silent connections that delivered nothing are forgotten: a new hello is welcome again.
     flooded = time.monotonic()
 

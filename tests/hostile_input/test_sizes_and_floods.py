@@ -1,7 +1,7 @@
 """Sizes and floods: a message of 200k empty frames, 20,000 junk messages, messages over
 ``--max-message-mb`` (a raw ZMTP frame header declaring 1 TiB, a real 64 MiB frame, many
-frames each under the limit), and a batch in flight when the intake stops. The memory bound
-per message is ``per_message_mib`` (the package's docstring says what it counts).
+frames each under the limit), and a batch in flight when the intake stops. What one message
+may cost is ``per_message_mib`` (the package's docstring says what it counts).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tests.hostile import wire
 from tests.hostile.peers import RawZmtpPeer, read_reply
 from tests.hostile_input.harness import (
     MAX_MESSAGE_MB,
+    PEERS,
     WAIT_S,
     Case,
     H,
@@ -27,6 +28,7 @@ from tests.hostile_input.harness import (
     check_peak,
     check_still_training,
     delta,
+    heap_in_use_floor_mib,
     new_peer,
     one,
     require,
@@ -35,30 +37,46 @@ from tests.hostile_input.harness import (
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
 
 ZMQ_MSG_BYTES = 64  # sizeof(zmq_msg_t): what libzmq holds per received frame
-NOISE_MIB = 4  # RSS moves this much with the good producer's batches alone
+
+
+def frames_mib(frames: int) -> float:
+    """What libzmq holds for a message of ``frames`` frames until its last one is in: a
+    ``zmq_msg_t`` each (small frames need no more), in the pipe's chunks of 256."""
+    return frames * ZMQ_MSG_BYTES / procs.MIB
 
 
 def per_message_mib(frames: int) -> float:
     """What one message may cost the trainer: ``--max-message-mb`` + libzmq's per-frame cost."""
-    return MAX_MESSAGE_MB + frames * ZMQ_MSG_BYTES / procs.MIB
+    return MAX_MESSAGE_MB + frames_mib(frames)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    raises=AssertionError,
-    reason="open: since the module became a package (2026-12-01) the rise went over its bound in "
-    "2 of 5 fresh-clone runs (27.9 and 32.5 MiB against 19.2; within it in the others and in "
-    "every local run); cause not found (suspected: the trainer's heap history, which the "
-    "package's test order changed)",
-)
 def test_message_of_200k_empty_frames(target, peer):
     """v1: 200k empty frames (0.38 MiB on the wire) raised the trainer's RSS by 72 MiB and kept
-    the proxy busy 2.5 s. Now: dropped as ``parts``; the trainer's peak RSS rises by at most one
-    message's bound above its steady peak: ``--max-message-mb`` + 64 B per frame (15.2 MiB
-    here) + 4 MiB of noise."""
+    the proxy busy 2.5 s. Now: dropped as ``parts`` (the frame reader keeps at most its limit
+    of frames: test_intake.py), training goes on, and the trainer holds nothing of it after:
+    the heap in use between steps is back where it was.
+
+    While it arrives the message costs 12.2 MiB (``frames_mib``): libzmq buffers all of a
+    multipart message before the intake sees a frame, in pipe chunks that the I/O thread
+    serving the connection allocates from its malloc arena; the intake frees them as it
+    reads, and malloc keeps them (trimming is off). Measured on fresh trainers: one arena grew
+    by 12.3 MiB, the heap's freed bytes by as much; a second such message cost 1.6-1.7 MiB more
+    twice, and 14.1 MiB once, in another mapping (the other of the 2 I/O threads, it seems).
+    In 14 runs of this package RSS rose by 9.9-14.3 MiB, 9.8 MiB of it in one arena each
+    time. So what RSS does depends on which I/O thread takes the message and what its arena
+    had free: on the allocator's history, not on the code under test. That rise was
+    this test's bound (19.2 MiB, a non-strict xfail: over it in 2 of 5 fresh-clone runs); the
+    package's RSS budget bounds it instead (``check_peak``).
+    """
     frames = 200_000
-    bound = per_message_mib(frames) + NOISE_MIB
-    check_cases(target, [one("200k", [H()] + [b""] * frames, "parts")], peer, rise_mib=bound)
+    floor = heap_in_use_floor_mib(target)
+    check_cases(target, [one("200k", [H()] + [b""] * frames, "parts")], peer)
+    after = heap_in_use_floor_mib(target)
+    # Anything of the message still held would hold its chunks too: 12.2 MiB.
+    assert after - floor < frames_mib(frames) / 2, (
+        f"heap in use between steps {after:.1f} MiB after the message, {floor:.1f} before; "
+        f"its pipe chunks were {frames_mib(frames):.1f} MiB"
+    )
 
 
 def test_flood_of_small_junk(target, peer):
@@ -117,7 +135,7 @@ def test_message_over_max_message_mb_real(target):
     assert delta(after.dropped, before.dropped) == {}
     assert after.received["big-control"] == 1
     check_still_training(target, after)
-    check_peak(target, target.high_mib)
+    check_peak(target)
 
 
 def test_a_batch_in_flight_at_stop_does_not_hang_the_intake():
@@ -151,7 +169,9 @@ def test_a_batch_in_flight_at_stop_does_not_hang_the_intake():
 def test_message_of_many_frames_each_under_max_message_mb(target, peer):
     """Last but the summary: the trainer keeps (glibc, one arena, trim off) what libzmq
     allocated. The message is larger than the trainer's whole RSS plus 256 MiB: memory the
-    trainer freed earlier and kept is reused first, and can hide no more than that RSS."""
+    trainer freed earlier and kept is reused first, and can hide no more than that RSS. The
+    bound, were --max-message-mb a cap per message: one message's cost plus what malloc may
+    keep freed (``procs.allocator_allowance_mib``)."""
     steady = target.peak.steady()
     frame = np.zeros(MAX_MESSAGE_MB * procs.MIB - 16, dtype=np.uint8)
     count = math.ceil((steady + 256) / MAX_MESSAGE_MB)
@@ -163,4 +183,7 @@ def test_message_of_many_frames_each_under_max_message_mb(target, peer):
     target.booked.update(delta(after.dropped, before.dropped))
     require(delta(after.dropped, before.dropped) == {"parts": 1}, "not dropped as parts")
     peak = target.peak.peak_mib(window=True)
-    assert peak - steady <= per_message_mib(len(frames)) + NOISE_MIB
+    allowance = procs.allocator_allowance_mib(PEERS, MAX_MESSAGE_MB)
+    assert peak - steady <= per_message_mib(len(frames)) + allowance, (
+        f"peak RSS {peak - steady:.1f} MiB above the steady peak for one message"
+    )

@@ -4,24 +4,39 @@ skipped)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.hostile_input.harness import RSS_BUDGET_MIB
+from tests import procs
+from tests.hostile_input.harness import RSS_BUDGET_MIB, WAIT_S
 
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
 
-CONNECTION_KIB = 32  # libzmq's buffers per TCP connection (28 KiB measured, pyzmq 27 / 4.3.5)
+# What libzmq allocates for each TCP connection it accepts, with its defaults: the decoder's
+# receive buffer (ZMQ_IN_BATCH_SIZE, 8 KiB, and a reference count for each of the up to 249
+# small messages in it, 40 B each: 18 KiB in all), the encoder's send buffer
+# (ZMQ_OUT_BATCH_SIZE, 8 KiB), and a pipe each way whose first chunk holds 256 zmq_msg_t of
+# 64 B (16 KiB each): 58 KiB; 64 with the objects that own them. An upper bound on what a
+# connection adds to RSS, which counts only the pages written.
+CONNECTION_KIB = 64
 
 
 def test_summary_books_every_case(target):
     """Stop the trainer: the JSON summary has every drop by reason, and the cut peers."""
     # The good producer first, so no batch is in flight when the trainer stops (see
-    # test_sizes_and_floods.py::test_a_batch_in_flight_at_stop_does_not_hang_the_intake).
+    # test_sizes_and_floods.py::test_a_batch_in_flight_at_stop_does_not_hang_the_intake):
+    # until the trainer has seen it go and its queue is empty (it took every batch received).
+    gone = procs.disconnections_of(target.metrics()) + 1
     target.good_proc.signal()
-    target.good_proc.wait(30)
-    time.sleep(1)
+    assert target.good_proc.wait(30) == 0, procs.log_text(target.good_proc)
+    settled = target.wait(
+        lambda m: (
+            procs.disconnections_of(m) >= gone and m.samples[("stagefeed_queue_batches", ())] == 0
+        )
+    )
+    assert procs.disconnections_of(settled) >= gone, (
+        f"the good producer's going not seen in {WAIT_S} s"
+    )
+    assert settled.samples[("stagefeed_queue_batches", ())] == 0, "the queue is not empty"
     summary = target.trainer.stop()
     for p in target.keep_open:
         p.close()
