@@ -125,7 +125,8 @@ def test_input_wait_is_the_share_of_time_dequeues_blocked_on_an_empty_queue():
         )
         run_timed(fast, 5)
     assert slow_figures.wait_s >= 0.35 and slow_wait > 0.5
-    assert fast.figures().wait_s < 0.05  # a ready batch: no wait to speak of
+    # A ready batch: no wait to speak of, next to the slow source's in the same run.
+    assert fast.figures().wait_s < slow_figures.wait_s / 4, (fast.figures(), slow_figures)
 
 
 def test_a_full_log_loses_identities_not_counts():

@@ -124,6 +124,7 @@ def test_endpoint_moves_while_a_real_trainer_trains(start_cli, tmp_path) -> None
 
 # The cut tests' client limit: shorter than the default, so they take a second, not ten.
 CLIENT_S = 1.0
+IDLE_CLIENT_S = 4.0
 
 
 def _served(
@@ -238,7 +239,9 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 
 
 def test_idle_connections_do_not_delay_a_scrape_and_are_cut_after_the_client_limit() -> None:
-    server, ledger, counters = _served()
+    # A limit no scrape comes near, even on a loaded machine: the idle clients are surely
+    # still held when it is answered.
+    server, ledger, counters = _served(client_s=IDLE_CLIENT_S)
     try:
         _books(ledger, counters)
         idle = [_idle(server.address) for _ in range(2)]
@@ -249,7 +252,7 @@ def test_idle_connections_do_not_delay_a_scrape_and_are_cut_after_the_client_lim
         still_open = [not _closed_by_peer(s) for s in idle]
         answered_within = time.monotonic() - opened
         assert value(metrics, "stagefeed_steps_total") == 1
-        assert all(still_open) or answered_within < CLIENT_S, answered_within
+        assert all(still_open), f"an idle client was cut before the scrape ({answered_within} s)"
         # Then each is cut once its time is up.
         assert wait_for(lambda: all(_closed_by_peer(s) for s in idle), 10), (
             "idle connections not cut within 10 s"
