@@ -10,7 +10,7 @@
 # Idempotent: it installs what is missing (apt-get, pip) and reuses what the cache holds.
 # Without root and without an engine it skips, in one line saying why, and exits 0.
 # Usage: tests/compose/run.sh [PYTHON]   (PYTHON: the project's venv interpreter)
-set -euo pipefail
+set -Eeuo pipefail
 cd "$(dirname "$0")/../.."
 
 PYTHON=${1:-.venv/bin/python}
@@ -39,7 +39,7 @@ cleanup() {
         fi
         wait "$dockerd_pid" 2>/dev/null || true
         say "private dockerd (pid $dockerd_pid) stopped"
-        [ "$status" = 0 ] || tail -n 20 "$engine_root/dockerd.log" >&2 || true
+        [ "$status" = 0 ] || { say "dockerd's last log lines:"; tail -n 20 "$engine_root/dockerd.log" >&2; } || true
     fi
     if [ -n "$engine_root" ]; then
         # Mounts the engine leaves behind (its netns bind mount; more if it was killed), deepest
@@ -54,6 +54,7 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+trap 'say "failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
 
 apt_install() {
     say "installing $*"
@@ -96,10 +97,11 @@ install_compose_plugin() {
 }
 
 debian_mirror() {
-    # The Debian mirror apt uses here (one-line or deb822 sources), not its security suite.
-    cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null |
+    # The Debian mirror apt uses here (one-line or deb822 sources), not its security suite;
+    # nothing if none is found (some of these files need not exist).
+    { cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null || true; } |
         grep -v '^[[:space:]]*#' | grep -oE 'https?://[^[:space:]]+/debian/?([[:space:]]|$)' |
-        head -n 1 | tr -d '[:space:]'
+        head -n 1 | tr -d '[:space:]' || true
 }
 
 build_base_image() {
