@@ -35,6 +35,14 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
+.PHONY: test-compose
+# docker/compose.yaml under a real Docker engine: images built, `up --scale producer=3` over tcp
+# and shared memory, a producer container killed, `down` leaving nothing (tests/compose/run.sh;
+# docs/deployment.md). Starts a private engine where none answers and it runs as root; skips,
+# saying why, elsewhere. `make test` never needs Docker.
+test-compose: $(STAMP)
+	bash tests/compose/run.sh $(BIN)/python
+
 .PHONY: fuzz
 # Property-based fuzzing of the decoders and the intake, longer than `make test` runs it:
 # thousands of examples per property (the Hypothesis profile in tests/test_fuzz_protocol.py).

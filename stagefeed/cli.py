@@ -348,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         args = build_parser().parse_args(argv)
+        envflags.check(args)
         setup_logging(getattr(logging, args.log_level.upper()))
         keep_freed_memory_first(args)
         return args.func(args)

@@ -1,7 +1,10 @@
 """Flags that also read ``STAGEFEED_*`` environment variables (same meaning, same checks).
 
 ``--queue-mb`` reads ``STAGEFEED_QUEUE_MB``; a flag given on the command line wins. A bad
-environment value fails at start with a message naming the variable and the value.
+environment value fails at start with a message naming the variable and the value, but only
+for the command that runs (``check``): one environment serves every command, and a value may
+be valid for one and not another (``STAGEFEED_TRANSPORT=zmq`` is ``train``'s and ``produce``'s,
+not ``run``'s; a compose file sets it for a trainer whose healthcheck runs ``health``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any
 from stagefeed.common.errors import ConfigError
 
 PREFIX = "STAGEFEED_"
+# The namespace attribute holding a subcommand's first bad environment value (see ``check``).
+_ENV_ERROR = "envflags_error"
 
 
 def env_name(flag: str) -> str:
@@ -39,11 +44,14 @@ def add(
     raw = os.environ.get(name)
     if raw is not None and raw != "":
         try:
-            default = type(raw)
+            value = type(raw)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{name}={raw!r} is not a valid {flag}: {exc}") from None
-        if choices is not None and default not in choices:
-            raise ConfigError(f"{name}={raw!r} must be one of {', '.join(map(str, choices))}")
+            _defer(parser, f"{name}={raw!r} is not a valid {flag}: {exc}")
+        else:
+            if choices is not None and value not in choices:
+                _defer(parser, f"{name}={raw!r} must be one of {', '.join(map(str, choices))}")
+            else:
+                default = value
     parser.add_argument(
         flag,
         type=type,
@@ -58,7 +66,21 @@ def add_switch(parser: argparse.ArgumentParser | Any, flag: str, help: str = "")
     name = env_name(flag)
     raw = os.environ.get(name, "").strip().lower()
     if raw not in ("", "0", "1", "true", "false", "yes", "no"):
-        raise ConfigError(f"{name}={raw!r} must be 1/0, true/false or yes/no")
+        _defer(parser, f"{name}={raw!r} must be 1/0, true/false or yes/no")
     parser.add_argument(
         flag, action="store_true", default=raw in ("1", "true", "yes"), help=f"{help} [env {name}]"
     )
+
+
+def check(args: argparse.Namespace) -> None:
+    """Raise ``ConfigError`` for the parsed command's first bad environment value, if any."""
+    error = getattr(args, _ENV_ERROR, None)
+    if error:
+        raise ConfigError(error)
+
+
+def _defer(parser: argparse.ArgumentParser | Any, error: str) -> None:
+    """Keep ``error`` in the defaults of ``parser`` (a subcommand's, or a group of it): it
+    reaches the namespace only when that subcommand is the one parsed."""
+    if parser.get_default(_ENV_ERROR) is None:
+        parser.set_defaults(**{_ENV_ERROR: error})

@@ -7,7 +7,8 @@ machine, and nothing else is changed:
 
 - service names and the container's wildcard address -> 127.0.0.1 (loopback only);
 - a named volume -> a directory under the test's tmp_path, the same for every service that
-  mounts it; paths under its mount point, in the environment or the command, point there.
+  mounts it; paths under its mount point, in the environment or the command, point there;
+- the image's interpreter (its venv: VIRTUAL_ENV, and PATH in front of it) -> this one.
 """
 
 from __future__ import annotations
@@ -26,18 +27,44 @@ from tests.conftest import REPO, cli_env
 
 DOCKER_DIR = Path(REPO) / "docker"
 COMPOSE_FILE = DOCKER_DIR / "compose.yaml"
+COMPOSE_CI_FILE = DOCKER_DIR / "compose.ci.yaml"  # CI's override (make test-compose)
 
-# The interpolation forms compose.yaml may use: ${NAME}, ${NAME:-default} and $$.
-_VARIABLE = re.compile(r"\$(?:\{(?P<name>[A-Za-z_]\w*)(?P<dflt>:-[^}]*)?\}|(?P<dollar>\$))")
+# The interpolation forms the compose files may use: ${NAME}, ${NAME:-default},
+# ${NAME:?why it is required} and $$.
+_VARIABLE = re.compile(
+    r"\$(?:\{(?P<name>[A-Za-z_]\w*)(?:(?P<dflt>:-[^}]*)|(?P<required>:\?[^}]*))?\}|(?P<dollar>\$))"
+)
 _TCP = re.compile(r"tcp://(?P<host>[^:/]+):(?P<port>\d+)")
 # Names that reach a container of this project (service names, network aliases) and the
 # container's own wildcard address: all of them are loopback when the services run here.
 _LOCAL_HOSTS = {"*", "0.0.0.0", "trainer", "trainer-gpu", "producer"}
+# The images' ENV that names where their Python lives: none of it exists on this machine.
+_IMAGE_LAYOUT = {"PATH", "VIRTUAL_ENV"}
 
 
-def load_compose() -> dict[str, Any]:
-    with open(COMPOSE_FILE, encoding="utf-8") as f:
-        return yaml.safe_load(f)
+# An override file's `!reset` (drop what the files before set): loaded as this marker.
+RESET = object()
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+_ComposeLoader.add_constructor("!reset", lambda _loader, _node: RESET)
+
+
+def load_compose(path: Path = COMPOSE_FILE) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return yaml.load(f, Loader=_ComposeLoader)  # a SafeLoader plus the one tag
+
+
+def without_resets(node: Any) -> Any:
+    """``node`` less every key set to ``!reset``: what the override says of its own."""
+    if isinstance(node, dict):
+        return {k: without_resets(v) for k, v in node.items() if v is not RESET}
+    if isinstance(node, list):
+        return [without_resets(v) for v in node]
+    return node
 
 
 def interpolate(text: str, env: Mapping[str, str]) -> str:
@@ -54,6 +81,8 @@ def interpolate(text: str, env: Mapping[str, str]) -> str:
             out.append("$")
         elif match["dflt"] is not None:
             out.append(env.get(match["name"]) or match["dflt"][2:])
+        elif match["required"] is not None and not env.get(match["name"]):
+            raise ValueError(f"{match['name']} is required: {match['required'][2:]}")
         else:
             out.append(env.get(match["name"], ""))
         pos = match.end()
@@ -71,9 +100,9 @@ def interpolated(node: Any, env: Mapping[str, str]) -> Any:
     return node
 
 
-def variables_used() -> set[str]:
-    """Every variable name compose.yaml interpolates."""
-    return {m["name"] for m in _VARIABLE.finditer(COMPOSE_FILE.read_text()) if m["name"]}
+def variables_used(path: Path = COMPOSE_FILE) -> set[str]:
+    """Every variable name the compose file interpolates."""
+    return {m["name"] for m in _VARIABLE.finditer(path.read_text()) if m["name"]}
 
 
 def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
@@ -143,7 +172,7 @@ def local_service(name: str, variables: Mapping[str, str], tmp: Path) -> LocalSe
         local = tmp / "volumes" / source  # shared by every service that mounts it, as in Docker
         local.mkdir(parents=True, exist_ok=True)
         volumes[target] = local
-    env = dockerfile_env(dockerfile)
+    env = {k: v for k, v in dockerfile_env(dockerfile).items() if k not in _IMAGE_LAYOUT}
     for key, value in (service.get("environment") or {}).items():
         if value is not None:
             env[key] = _to_local(str(value), volumes)

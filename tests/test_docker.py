@@ -9,12 +9,19 @@
   loopback and trains (producers able to import only what their image installs); the
   healthcheck passes while the trainer listens and fails after;
 - the Dockerfiles: COPY sources exist and pass .dockerignore, hadolint is clean, bases are
-  pinned, users are not root, and the producer image installs no TensorFlow.
+  pinned (a BASE_IMAGE build argument, defaulting to the pin), no `# syntax=` line, users are
+  not root, the producer image installs no TensorFlow, and pip's CA bundle and settings come in
+  as optional BuildKit secrets only;
+- compose.ci.yaml (CI's override, `make test-compose`) is valid too, runs on loopback only,
+  and builds FROM the base image CI names.
+
+The images built and run under a real engine: tests/compose/check_compose.py (make test-compose).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -52,6 +59,15 @@ def test_compose_file_is_valid_against_the_compose_spec():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_ci_override_is_valid_against_the_compose_spec(tmp_path):
+    """What the override sets of its own (its `!reset` keys, a compose merge tag the schema's
+    YAML reader does not know, dropped) validates as a compose file."""
+    own = tmp_path / "compose.ci.json"
+    own.write_text(json.dumps(cl.without_resets(cl.load_compose(cl.COMPOSE_CI_FILE))))
+    result = validate(own)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize(
     ("old", "new", "complaint"),
     [
@@ -80,15 +96,18 @@ def test_docker_compose_config_where_a_compose_plugin_exists():
     )
     if probe is None or probe.returncode != 0:
         pytest.skip("no `docker compose` plugin on this machine (docker client only)")
-    for profile in ([], ["--profile", "gpu"]):
-        result = subprocess.run(
-            [docker, "compose", "-f", str(cl.COMPOSE_FILE), *profile, "config", "--quiet"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr
+    ci = ["-f", str(cl.COMPOSE_FILE), "-f", str(cl.COMPOSE_CI_FILE)]
+    for files in (["-f", str(cl.COMPOSE_FILE)], ci):
+        for profile in ([], ["--profile", "gpu"]):
+            result = subprocess.run(
+                [docker, "compose", *files, *profile, "config", "--quiet"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+                env={**os.environ, **CI_VARIABLES},
+            )
+            assert result.returncode == 0, result.stderr
 
 
 def enabled(services: dict, profiles: set[str]) -> dict:
@@ -202,6 +221,49 @@ def test_every_variable_the_compose_file_reads_is_documented():
     assert all(v.startswith("STAGEFEED_") for v in used), used
     guide = (Path(REPO) / "docs" / "deployment.md").read_text()
     assert not [v for v in used if v not in guide]
+    ci_only = cl.variables_used(cl.COMPOSE_CI_FILE) - used
+    assert ci_only == set(CI_VARIABLES), ci_only
+    assert not [v for v in ci_only if v not in guide]
+
+
+# What tests/compose/run.sh exports for the override (any values will do for `config`).
+CI_VARIABLES = {
+    "STAGEFEED_CI_BASE_IMAGE": "local/stagefeed-ci-base:bookworm-python3",
+    "STAGEFEED_CI_PIP_CONF": str(cl.DOCKER_DIR / "constraints.txt"),
+    "STAGEFEED_CI_CA_BUNDLE": str(cl.DOCKER_DIR / "constraints.txt"),
+}
+
+
+def test_the_ci_override_runs_on_loopback_and_builds_from_the_ci_base():
+    """Host networking (the CI engine runs without a bridge); every address 127.0.0.1; no
+    published port; builds FROM STAGEFEED_CI_BASE_IMAGE on the host network, with pip's CA
+    bundle and settings as BuildKit secrets (files on the host, never build arguments)."""
+    override = cl.load_compose(cl.COMPOSE_CI_FILE)
+    services = override["services"]
+    assert set(services) == {"trainer", "producer"}
+    for name, service in services.items():
+        assert service["network_mode"] == "host", name
+        assert "networks" not in service, name
+        build = service["build"]
+        assert build["network"] == "host", name
+        assert build["args"] == {
+            "BASE_IMAGE": "${STAGEFEED_CI_BASE_IMAGE:?the base image to build FROM}"
+        }
+        assert set(build["secrets"]) <= set(override["secrets"]), name
+        assert "ca-certificates" in build["secrets"], name
+    assert services["trainer"]["ports"] is cl.RESET
+    assert services["trainer"]["healthcheck"]["start_interval"] is cl.RESET  # needs engine 25
+    env = cl.interpolated(override, {**CI_VARIABLES, "STAGEFEED_PORT": "5600"})["services"]
+    assert env["trainer"]["environment"]["STAGEFEED_BIND"] == "tcp://127.0.0.1:5600"
+    assert env["trainer"]["environment"]["STAGEFEED_METRICS_BIND"] == "127.0.0.1"
+    assert env["producer"]["environment"]["STAGEFEED_CONNECT"] == "tcp://127.0.0.1:5600"
+    text = cl.COMPOSE_CI_FILE.read_text()
+    addresses = re.findall(r"tcp://([^:/\s]+)", text) + re.findall(
+        r"_BIND: (\d[\d.]*)$", text, re.M
+    )
+    assert len(addresses) == 3 and set(addresses) == {"127.0.0.1"}, addresses
+    for secret in override["secrets"].values():
+        assert set(secret) == {"file"}, secret
 
 
 def test_copy_sources_exist_and_pass_dockerignore():
@@ -234,11 +296,46 @@ def test_hadolint_passes(dockerfile):
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_images_pin_their_base_and_run_as_non_root(dockerfile):
+    """FROM the BASE_IMAGE build argument, declared before it (so FROM can read it) with the
+    pinned official image as its default: the same in both Dockerfiles."""
     instructions = cl.dockerfile_instructions(dockerfile)
-    for base in [args for ins, args in instructions if ins == "FROM"]:
-        assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}( AS \w+)?", base), base
+    assert [args for ins, args in instructions if ins == "FROM"] == ["${BASE_IMAGE}"]
+    first_from = [ins for ins, _ in instructions].index("FROM")
+    base_args = [a for ins, a in instructions[:first_from] if a.startswith("BASE_IMAGE=")]
+    assert base_args == [f"BASE_IMAGE={pinned_base()}"], base_args
+    assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", pinned_base())
     user = [args for ins, args in instructions if ins == "USER"][-1]
     assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), user
+
+
+def pinned_base() -> str:
+    """The producer image's default base; the trainer's must be the same."""
+    instructions = cl.dockerfile_instructions(DOCKERFILES[0])
+    return next(a for ins, a in instructions if ins == "ARG" and a.startswith("BASE_IMAGE="))[
+        len("BASE_IMAGE=") :
+    ]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_pip_gets_its_ca_bundle_and_settings_as_optional_secrets_only(dockerfile):
+    """Every RUN that runs pip mounts both secrets, not required (a plain build passes none),
+    and points pip at them; nothing else names them: no COPY, ARG or ENV carries a CA bundle
+    or pip settings into a layer. No `# syntax=` line: BuildKit would pull that frontend."""
+    text = dockerfile.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
+    instructions = cl.dockerfile_instructions(dockerfile)
+    pip_runs = [a for ins, a in instructions if ins == "RUN" and "pip install" in a]
+    assert pip_runs
+    for run in pip_runs:
+        assert "--mount=type=secret,id=ca-certificates,required=false" in run
+        assert "--mount=type=secret,id=pip.conf,required=false" in run
+        assert "export PIP_CONFIG_FILE=/run/secrets/pip.conf" in run
+        assert "if [ -s /run/secrets/ca-certificates ]; then export PIP_CERT=" in run
+    for ins, args in instructions:
+        if ins in ("COPY", "ADD", "ARG", "ENV"):
+            assert not re.search(
+                r"PIP_(CERT|CONFIG|INDEX|EXTRA|FIND|TRUSTED)|ca-cert|\.crt|pip\.conf|secrets", args
+            ), (ins, args)
 
 
 def pip_installs(dockerfile: Path) -> list[str]:

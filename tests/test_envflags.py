@@ -1,0 +1,49 @@
+"""STAGEFEED_* variables are checked for the command that runs, not for every command.
+
+One environment serves every command in a container: compose sets STAGEFEED_TRANSPORT=zmq
+for the trainer, whose healthcheck then runs `stagefeed health` in that same environment, and
+`zmq` is a transport of `train` and `produce` but not of `run`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from stagefeed.common.errors import ConfigError
+
+from stagefeed import envflags
+from stagefeed.cli import build_parser
+from tests.conftest import cli_env, free_tcp_port, run_cli
+
+
+def test_a_value_valid_for_one_command_is_an_error_only_for_the_others(monkeypatch):
+    monkeypatch.setenv("STAGEFEED_TRANSPORT", "zmq")
+    parser = build_parser()
+    for command in ("train", "produce"):
+        args = parser.parse_args([command])
+        envflags.check(args)
+        assert args.transport == "zmq", command
+    run = parser.parse_args(["run"])
+    with pytest.raises(ConfigError, match=r"STAGEFEED_TRANSPORT='zmq' must be one of tcp, ipc"):
+        envflags.check(run)
+
+
+def test_a_bad_value_names_itself_even_when_the_flag_is_given(monkeypatch):
+    monkeypatch.setenv("STAGEFEED_QUEUE_MB", "lots")
+    monkeypatch.setenv("STAGEFEED_RETURN_FREED_MEMORY", "maybe")
+    args = build_parser().parse_args(["train", "--queue-mb", "64"])
+    with pytest.raises(ConfigError, match=r"STAGEFEED_QUEUE_MB='lots' is not a valid --queue-mb"):
+        envflags.check(args)
+    assert envflags.check(build_parser().parse_args(["produce"])) is None
+
+
+def test_the_healthcheck_runs_in_the_trainer_containers_environment():
+    """`stagefeed health` beside STAGEFEED_TRANSPORT=zmq: answers (unhealthy, nothing listens),
+    instead of failing at start with exit 2 on a flag it does not have."""
+    port = free_tcp_port()
+    done = run_cli(
+        ["health", "--connect", f"tcp://127.0.0.1:{port}", "--timeout-s", "1"],
+        timeout=60,
+        env=cli_env(STAGEFEED_TRANSPORT="zmq"),
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "connection refused" in done.stdout
