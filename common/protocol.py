@@ -44,6 +44,7 @@ from typing import Any
 import msgpack
 import numpy as np
 from stagefeed.common.errors import DropReason, ProtocolError
+from stagefeed.common.excerpt import excerpt
 from stagefeed.common.schema import (
     ALLOWED_DTYPES,
     MAX_ARRAYS,
@@ -52,7 +53,6 @@ from stagefeed.common.schema import (
     MAX_NDIM,
     Schema,
     bounds_problem,
-    excerpt,
 )
 
 PROTOCOL_VERSION = 2

@@ -35,7 +35,8 @@ from typing import Any
 import msgpack
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
-from stagefeed.common.schema import Schema, SchemaMismatch, excerpt
+from stagefeed.common.excerpt import excerpt
+from stagefeed.common.schema import Schema, SchemaMismatch
 from stagefeed.producer.handoff import Dropped, Welcome, Welcomed
 from stagefeed.producer.shm_lane import ShmOffer
 
