@@ -171,18 +171,20 @@ def decode_header(raw: Any, kinds: frozenset[str]) -> dict[str, Any]:
         raise ProtocolError(DropReason.KIND, f"message kind {excerpt(kind)}")
     problem = _fields_problem(kind, set(header) - {"v", "t"})
     if problem:
-        raise ProtocolError(DropReason.HEADER_FIELDS, problem)
+        raise ProtocolError(DropReason.HEADER_FIELDS, problem, kind)
     fields = {**_FIELDS[kind], **_OPTIONAL.get(kind, {})}
     for key, types in fields.items():
         if key not in header:
             continue
         value = header[key]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")
+            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}", kind)
         if key in _INT_RANGE and not _INT_RANGE[key][0] <= value < _INT_RANGE[key][1]:
-            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")
+            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}", kind)
         if isinstance(value, str) and len(value) > MAX_DETAIL_LEN:
-            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {len(value)} characters")
+            raise ProtocolError(
+                DropReason.HEADER_FIELDS, f"{kind}.{key}: {len(value)} characters", kind
+            )
     return header
 
 
@@ -250,13 +252,13 @@ def schema_of_hello(header: Mapping[str, Any]) -> Schema | None:
     try:
         return Schema.from_dict(declared, source="hello schema")
     except ConfigError as exc:
-        raise ProtocolError(DropReason.HELLO, str(exc)[:MAX_DETAIL_LEN]) from None
+        raise ProtocolError(DropReason.HELLO, str(exc)[:MAX_DETAIL_LEN], "hello") from None
 
 
 def check_producer_name(name: str) -> str:
     """A producer's self-declared name, for logs and the books; never an identity."""
     if not 0 < len(name) <= MAX_PRODUCER_NAME or not name.isprintable():
-        raise ProtocolError(DropReason.HELLO, f"producer name {excerpt(name)}")
+        raise ProtocolError(DropReason.HELLO, f"producer name {excerpt(name)}", "hello")
     return name
 
 

@@ -18,8 +18,10 @@ go to the hand-off, whose capacity is the credit pool, so a put cannot block (ev
 it holds a credit). Control messages are answered at once, also while the queue is full.
 
 Errors: a message that fails a check is dropped, booked by reason, and its producer is told
-(``dropped`` / ``refused``). Any other exception while handling one message is logged, booked
-as ``internal``, and the thread goes on. A failure of a thread itself (socket, TensorFlow) is
+(``dropped`` for a batch, ``refused`` for a hello). Any other exception while handling one
+message is logged, booked as ``internal``, and the thread goes on; a batch still returns its
+credit and gets its ``dropped`` verdict then (``internal`` is a defect to fix: every check
+raises ``ProtocolError``). A failure of a thread itself (socket, TensorFlow) is
 carried to the train loop through ``check()``, which raises ``BrokenError``: never a silent
 exit.
 """
@@ -234,12 +236,21 @@ class Intake:
         except ProtocolError as exc:
             conn = self._conns.get(routing_id)
             self._ledger.drop(exc.reason, exc.detail, conn.index if conn else None)
+            if exc.kind == "hello":  # the peer is told why, as for any refused hello
+                self._reply(router, routing_id, "refused", reason=exc.reason.value,
+                            detail=exc.detail)  # fmt: skip
         except Exception:  # noqa: BLE001 - one bad message must not stop the intake
-            self._ledger.drop(DropReason.INTERNAL, "unexpected error")
-            now = time.monotonic()
-            if now - self._last_internal_log >= INTERNAL_LOG_INTERVAL_S:
-                self._last_internal_log = now
-                log.exception("unexpected error while handling a message (dropped)")
+            conn = self._conns.get(routing_id)
+            self._ledger.drop(DropReason.INTERNAL, "unexpected error", conn.index if conn else None)
+            self._log_internal()
+
+    def _log_internal(self) -> None:
+        """Log the exception being handled, in full, at most every few seconds: ``internal``
+        is a defect to fix, never a verdict a peer can make the trainer give at will."""
+        now = time.monotonic()
+        if now - self._last_internal_log >= INTERNAL_LOG_INTERVAL_S:
+            self._last_internal_log = now
+            log.exception("unexpected error while handling a message (dropped)")
 
     def _user_id(self, frame: zmq.Frame) -> str | None:
         """The CURVE key ZAP admitted this connection with (None without CURVE)."""
@@ -319,12 +330,19 @@ class Intake:
         if not self._conns.use_credit(conn):
             self._refuse_batch(router, conn, seq, DropReason.NO_CREDIT, "sent without credit")
             return
+        # From here the batch holds a credit: however its checks fail, the credit returns
+        # and the producer gets a verdict.
         try:
             batch = decode()
             protocol.check_against_schema(batch, self.schema)
         except ProtocolError as exc:
             self._conns.finished(conn.routing_id)
             self._refuse_batch(router, conn, seq, exc.reason, exc.detail)
+            return
+        except Exception:  # noqa: BLE001 - a defect: logged, and the batch still answered
+            self._log_internal()
+            self._conns.finished(conn.routing_id)
+            self._refuse_batch(router, conn, seq, DropReason.INTERNAL, "unexpected error")
             return
         reason = self._ledger.accept(conn.index, seq, batch.nbytes)
         if reason is not None:
