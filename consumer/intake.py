@@ -293,6 +293,7 @@ class Intake:
         self, router: zmq.Socket, routing_id: bytes, header: dict, user_id: str | None
     ) -> None:
         name = protocol.check_producer_name(header["name"])
+        session = protocol.check_session(header)
         declared = protocol.schema_of_hello(header)
         if declared is not None and declared != self.schema:
             detail = schema_difference(self.schema, declared)
@@ -302,7 +303,7 @@ class Intake:
         conn = self._conns.get(routing_id)
         if conn is None:
             index = None if self._conns.full() else self._ledger.open(
-                name if user_id is None else f"{name} key {user_id[:8]}"
+                name if user_id is None else f"{name} key {user_id[:8]}", session
             )
             if index is None:
                 detail = f"the trainer serves {MAX_LIVE_CONNECTIONS} connections at most"
