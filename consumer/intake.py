@@ -97,7 +97,7 @@ class Intake:
         self._credit_addr = f"inproc://stagefeed-credit-{id(self)}"
         self._last_internal_log = -1e9
         self._ipc_file: IpcFile | None = None
-        self._any_ended = False
+        self._delivered_and_ended = False  # a producer that delivered said end (see below)
         self._data_ended = threading.Event()
         self._closed = False
         self.endpoint = ""
@@ -287,7 +287,10 @@ class Intake:
             self._conns.end(conn)
             if self.shm is not None:
                 self.shm.ended(conn.routing_id)
-            self._any_ended = True
+            # Only a producer that delivered can end the data: a peer that said hello and
+            # end at once must not stop a trainer that no producer has reached yet.
+            if self._ledger.delivered(conn.index):
+                self._delivered_and_ended = True
 
     def _on_hello(
         self, router: zmq.Socket, routing_id: bytes, header: dict, user_id: str | None
@@ -374,15 +377,18 @@ class Intake:
         )
 
     def data_ended(self) -> bool:
-        """True once a producer signalled end of data, every live one has, and every batch
-        received has left the intake (enqueued or dropped).
+        """True once a producer that delivered (a valid batch booked on its connection, or on
+        an earlier connection of its run) said ``end``, every live connection has said
+        ``end``, and every batch received has left the intake (enqueued or dropped). An
+        ``end`` from a connection that delivered nothing ends nothing: a run that has
+        received no batch never ends for lack of data (docs/guarantees.md).
         """
         return self._data_ended.is_set()
 
     def _update_data_ended(self) -> None:
         live = self._conns.live()
         ended = (
-            self._any_ended
+            self._delivered_and_ended
             and all(c.ended for c in live)
             and self._conns.available == self.credit_pool
         )

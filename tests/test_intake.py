@@ -261,3 +261,34 @@ def test_a_malformed_hello_is_refused_with_the_reason(intake, fields, reason, de
     assert detail in refused["detail"], refused
     assert intake.ledger.drops_by_reason() == {reason: 1}
     assert intake.ledger.producer_count() == 0  # no books for it
+
+
+def test_only_a_producer_that_delivered_can_end_the_data(intake, caplog):
+    """``end`` from a connection that delivered nothing ends nothing; from a producer run that
+    delivered (on this connection, or on an earlier one with the same session token) it does."""
+    caplog.set_level("INFO", logger="stagefeed.consumer.intake")
+    idle = _peer(intake)
+    _hello(idle, name="idle")
+    idle.send(protocol.encode_control("end", seq=0))
+    assert _wait(lambda: intake.ledger.summary()["idle"]["ended_after"] == 0)
+    run = "ab" * 16
+    first = _peer(intake)
+    first.send(protocol.encode_control("hello", name="p", schema=None, session=run))
+    assert _reply(first)["t"] == "welcome"
+    first.send_multipart(protocol.encode_batch(0, GOOD))
+    assert _wait(lambda: intake.recorder.got == [(1, 0)])
+    first.close(linger=0)  # cut: forgotten once silent for producer_timeout_s (5 s here)
+    stranger = _peer(intake)
+    stranger.send(protocol.encode_control("hello", name="p", schema=None, session="cd" * 16))
+    assert _reply(stranger)["t"] == "welcome"
+    stranger.send(protocol.encode_control("end", seq=1))  # claims p's end: delivered nothing
+    assert _wait(lambda: "producer p silent for 5 s: forgotten" in caplog.text, 15)
+    # Every live connection said end, none that delivered: the data must not end (given the
+    # intake's loop 2 s to conclude otherwise).
+    assert not _wait(intake.data_ended, 2.0)
+    again = _peer(intake)  # the run that delivered, on a new connection
+    again.send(protocol.encode_control("hello", name="p", schema=None, session=run))
+    assert _reply(again)["t"] == "welcome"
+    assert not intake.data_ended()
+    again.send(protocol.encode_control("end", seq=1))
+    assert _wait(intake.data_ended)
