@@ -34,6 +34,15 @@ def _start_producers(start_cli, port: int, max_batches: int):
     )  # fmt: skip
 
 
+def _endless_trainer(start_cli, port: int, summary_path):
+    """A ``--steps 0`` trainer of TINY batches writing its summary to ``summary_path``."""
+    return start_cli(
+        ["train", "--bind", f"tcp://127.0.0.1:{port}", *TINY, "--steps", "0",
+         "--json", str(summary_path)],
+        name="trainer",
+    )  # fmt: skip
+
+
 def test_every_batch_sent_is_trained_or_queued(tmp_path, start_cli):
     """2 producers x 8 batches; the trainer needs all 16 (2 warm-up + 12 timed + 2 staged)."""
     port = free_tcp_port()
@@ -134,13 +143,8 @@ def test_trainer_stopped_by_signal_accounts_for_what_it_holds(tmp_path, start_cl
 def test_finite_producers_are_trained_to_the_last_batch_and_the_trainer_stops(tmp_path, start_cli):
     """``--steps 0`` with producers that end: every batch is trained (no lost tail: the queued
     and staged ones too), then the trainer stops by itself with exit code 0."""
-    port = free_tcp_port()
-    summary_path = tmp_path / "summary.json"
-    trainer = start_cli(
-        ["train", "--bind", f"tcp://127.0.0.1:{port}", *TINY, "--steps", "0",
-         "--json", str(summary_path)],
-        name="trainer",
-    )  # fmt: skip
+    port, summary_path = free_tcp_port(), tmp_path / "summary.json"
+    trainer = _endless_trainer(start_cli, port, summary_path)
     producers = _start_producers(start_cli, port, max_batches=12)
     assert producers.wait(120) == 0, producers.output()
     assert trainer.wait(120) == 0, trainer.output()
@@ -157,13 +161,8 @@ def test_an_end_from_a_peer_that_delivered_nothing_does_not_end_the_data(tmp_pat
     """``hello`` then ``end {seq: 0}`` from a peer that never sent a batch, to a ``--steps 0``
     trainer no producer has reached yet: the data has not ended (before, the trainer stopped
     at once with 0 steps). Producers that deliver and end then end it, every batch trained."""
-    port = free_tcp_port()
-    summary_path = tmp_path / "summary.json"
-    trainer = start_cli(
-        ["train", "--bind", f"tcp://127.0.0.1:{port}", *TINY, "--steps", "0",
-         "--json", str(summary_path)],
-        name="trainer",
-    )  # fmt: skip
+    port, summary_path = free_tcp_port(), tmp_path / "summary.json"
+    trainer = _endless_trainer(start_cli, port, summary_path)
     assert procs.wait_log(trainer, r"listening on tcp://", 90), trainer.output()
     ctx = zmq.Context()
     try:
