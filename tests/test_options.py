@@ -222,6 +222,70 @@ def test_a_non_finite_number_fails_at_start_in_one_line(without_tensorflow, args
     assert done.stdout == ""
 
 
+def _typed_flags() -> list[tuple[list[str], str]]:
+    """(command words, its first flag that takes an int or a float), for every command."""
+    import argparse
+
+    from stagefeed.cli import build_parser
+
+    found = []
+
+    def walk(parser: argparse.ArgumentParser, words: list[str]) -> None:
+        actions = parser._actions  # noqa: SLF001 - argparse keeps its flags there
+        for action in actions:
+            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+                for name, sub in action.choices.items():
+                    walk(sub, [*words, name])
+        typed = [a for a in actions if a.option_strings and a.type in (int, float)]
+        if words and typed:
+            found.append((words, typed[0].option_strings[0]))
+
+    walk(build_parser(), [])
+    return found
+
+
+TYPED_FLAGS = _typed_flags()
+
+
+def test_every_command_has_a_typed_flag_to_try():
+    commands = {" ".join(words) for words, _ in TYPED_FLAGS}
+    assert {"train", "run", "produce", "health", "keygen", "bench steps", "bench ingest"} <= (
+        commands
+    ), commands
+
+
+@pytest.mark.parametrize(
+    ("words", "flag"), TYPED_FLAGS, ids=[" ".join(w) for w, _ in TYPED_FLAGS]
+)
+def test_a_value_of_the_wrong_type_fails_in_one_line_for_every_command(
+    without_tensorflow, words, flag
+):
+    """argparse's own errors are the one ``stagefeed: error:`` line, not its usage block."""
+    done = run_cli([*words, flag, "1.5x"], timeout=60, env=without_tensorflow)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"stagefeed: error: argument {flag}: invalid "), lines[0]
+    assert "'1.5x'" in lines[0] and done.stdout == ""
+
+
+def test_steps_of_one_and_a_half_fails_in_one_line(without_tensorflow):
+    done = run_cli(["train", "--steps", "1.5"], timeout=60, env=without_tensorflow)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "stagefeed: error: argument --steps: invalid int value: '1.5' "
+        "(see stagefeed train --help)"
+    ]
+
+
+def test_health_refuses_a_non_finite_timeout_in_one_line(without_tensorflow):
+    done = run_cli(["health", "--timeout-s", "inf"], timeout=60, env=without_tensorflow)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "stagefeed: error: --timeout-s must be a finite number > 0, got inf"
+    ]
+
+
 def test_cli_reads_the_paths_from_the_environment_too(without_tensorflow):
     env = {**without_tensorflow, "STAGEFEED_JSON": "/proc/x.json"}
     done = run_cli(["train", "--batch-size", "2"], timeout=60, env=env)
