@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import check_number
 from stagefeed.common.schema import Schema, image_schema
 
 # The graph family: compat.v1 sessions training ``consumer.model``'s AlexNet.
@@ -136,6 +137,7 @@ class StepsConfig:
         _subset("transport", (self.transport,), TRANSPORTS)
         _subset("device", (self.device,), DEVICES)
         check_image_schema(self.schema)
+        check_number("queue_mb", self.queue_mb)
         if self.queue_mb * 2**20 < self.schema.batch_bytes:
             batch_mib = self.schema.batch_bytes / 2**20
             raise ConfigError(f"queue_mb={self.queue_mb} holds no batch of {batch_mib:.1f} MiB")
@@ -189,7 +191,8 @@ class IngestConfig:
         _at_least("memcpy_repeats", self.memcpy_repeats, 1)
         _at_least("repeats", self.repeats, 1)
         _subset("device", (self.device,), DEVICES)
-        if not isinstance(self.gb, (int, float)) or not 0 < self.gb <= 1000:
+        check_number("gb", self.gb)
+        if self.gb > 1000:
             raise ConfigError(f"gb must be in (0, 1000], got {self.gb!r}")
         check_image_schema(self.schema(self.dtypes[0]))  # batch_size and image_size
 

@@ -87,9 +87,14 @@ class DropReason(enum.StrEnum):
 
 
 class ProtocolError(StagefeedError):
-    """A received message failed validation; it is dropped and counted under ``reason``."""
+    """A received message failed validation; it is dropped and counted under ``reason``.
 
-    def __init__(self, reason: DropReason, detail: str) -> None:
+    ``kind``: the message's kind when it was known before the check failed (a malformed
+    ``hello`` is answered with ``refused``, so its peer learns why).
+    """
+
+    def __init__(self, reason: DropReason, detail: str, kind: str | None = None) -> None:
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.kind = kind

@@ -33,6 +33,7 @@ from typing import Any
 
 import msgpack
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
+from stagefeed.common.excerpt import excerpt
 from stagefeed.common.ipc_file import unlink_if_ours
 from stagefeed.common.shm_layout import PoolAnnounce
 from stagefeed.common.shm_pool import SlotPool
@@ -270,7 +271,12 @@ def offer_pool(channel: FdChannel, pool: SlotPool, timeout: float = 10.0) -> Non
     if fd is not None:
         os.close(fd)
     if reply.get("ok") is not True:
-        raise BrokenError(f"trainer refused pool {pool.pool_id}: {reply!r:.200}")
+        raise BrokenError(f"trainer refused pool {pool.pool_id}: {refusal_text(reply)}")
+
+
+def refusal_text(reply: Mapping[str, Any]) -> str:
+    """What a peer's ``{"ok": false, "reason", "detail"}`` says, as bounded excerpts."""
+    return f"{excerpt(reply.get('reason'), 40)}: {excerpt(reply.get('detail'), 300)}"
 
 
 def accept_pool(

@@ -3,7 +3,14 @@
 Books belong to a *connection*, not to a name a message claims: the intake opens an entry when
 a connection says hello and hands batches in under that entry's index, so no header can write
 into another connection's books. The producer's self-declared name (and its CURVE key, when
-keys are used) only labels the entry.
+keys are used) only labels the entry: any peer can claim any name, so a name never merges,
+links or renames anything. An entry's key (summary, metrics) is fixed when it opens: its label,
+or ``label#index`` if an open entry holds that key already.
+
+Connections of one producer run are linked only by the secret ``session`` token of their
+hellos (a producer draws it once; it is never echoed, logged or exported): the hole between
+them is that producer's ``seq_missing``, and an ``end`` on a new connection counts as the end
+of a producer that delivered.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class ProducerStats:
     label: str
     index: int
     first_seen: float
+    key: str = ""  # in the summary and the metrics: fixed at open, unique among open entries
+    session: str | None = None  # the producer run's secret token: links its connections
     last_seen: float = 0.0
     received: int = 0
     received_bytes: int = 0
@@ -78,9 +87,9 @@ class ProducerTotals:
 class Books:
     """Every counter an observer reads, taken under one lock (so consistent with each other).
 
-    ``producers`` is keyed like ``Ledger.summary()`` (the label, ``label#index`` when one name
-    has several connections) and has no ``<unidentified>`` entry: drops without a connection
-    are in ``dropped`` and ``totals.dropped`` only.
+    ``producers`` is keyed like ``Ledger.summary()`` (each entry's key: its label, or
+    ``label#index`` when an entry open before held that label) and has no ``<unidentified>``
+    entry: drops without a connection are in ``dropped`` and ``totals.dropped`` only.
     """
 
     totals: Totals = Totals()
@@ -116,16 +125,24 @@ class Ledger:
         self._last_drop_log: dict[str, float] = {}
         self._peer_events: collections.Counter[str] = collections.Counter()
 
-    def open(self, label: str) -> int | None:
-        """A new entry for a connection that said hello; None when the books are full."""
+    def open(self, label: str, session: str | None = None) -> int | None:
+        """A new entry for a connection that said hello; None when the books are full.
+
+        ``session``: the secret token of the producer run (None: linked to nothing)."""
         with self._lock:
             if len(self._entries) >= self._max_entries:
                 self._unidentified[DropReason.PEER_LIMIT.value] += 1
                 return None
             index = self._next_index
             self._next_index += 1
-            self._entries[index] = ProducerStats(label, index, first_seen=time.monotonic())
-        log.info("producer %s connected (index %d)", label, index)
+            taken = {s.key for s in self._entries.values()}
+            key = label
+            while key in taken:  # a label may itself end in "#N"
+                key += f"#{index}"
+            self._entries[index] = ProducerStats(
+                label, index, first_seen=time.monotonic(), key=key, session=session
+            )
+        log.info("producer %s connected (index %d)", key, index)
         return index
 
     def forget_if_idle(self, index: int) -> bool:
@@ -154,7 +171,7 @@ class Ledger:
             else:
                 reason = DropReason.DUPLICATE
             stats.drops[reason.value] += 1
-        self._log_drop(reason, f"producer {stats.label} seq {seq}")
+        self._log_drop(reason, f"producer {stats.key} seq {seq}")
         return reason
 
     def drop(self, reason: DropReason, detail: str, index: int | None = None) -> None:
@@ -182,7 +199,7 @@ class Ledger:
     def ended(self, index: int, count: int) -> None:
         with self._lock:
             self._entries[index].ended_after = count
-        log.info("producer %s: end of data after %d batches", self._entries[index].label, count)
+        log.info("producer %s: end of data after %d batches", self._entries[index].key, count)
 
     def enqueued(self, index: int) -> None:
         with self._lock:
@@ -209,19 +226,34 @@ class Ledger:
         with self._lock:
             return len(self._entries)
 
+    def delivered(self, index: int) -> bool:
+        """Whether entry ``index``, or an earlier connection of its producer run (the same
+        session token), booked a valid batch: only such a producer's ``end`` ends data."""
+        with self._lock:
+            stats = self._entries.get(index)
+            if stats is None:
+                return False
+            return stats.received > 0 or (
+                stats.session is not None
+                and any(
+                    s.session == stats.session and s.received > 0 for s in self._entries.values()
+                )
+            )
+
     def _gaps(self) -> dict[int, int]:
-        """Sequence numbers lost between two connections of one producer (a cut connection
-        it carried on after): the hole before each later entry of the same name. Lock held.
+        """Sequence numbers lost between two connections of one producer run (a cut
+        connection it carried on after): the hole before each later entry of the same session
+        token. Never by name: a name can be claimed by anyone. Lock held.
         """
         gaps: dict[int, int] = {}
         last: dict[str, int] = {}
         for s in sorted(self._entries.values(), key=lambda s: s.index):
-            if s.sequence.lowest is None:
+            if s.sequence.lowest is None or s.session is None:
                 continue
-            previous = last.get(s.label)
+            previous = last.get(s.session)
             if previous is not None and s.sequence.lowest > previous + 1:
                 gaps[s.index] = s.sequence.lowest - previous - 1
-            last[s.label] = max(s.sequence.highest, previous if previous is not None else -1)
+            last[s.session] = max(s.sequence.highest, previous if previous is not None else -1)
         return gaps
 
     def abandoned(self, indices: Iterable[int], seqs: Iterable[int]) -> None:
@@ -286,13 +318,9 @@ class Ledger:
         return dict(out)
 
     def _keyed(self) -> list[tuple[str, int, ProducerStats]]:
-        """(key, index, stats) per entry; one producer reconnecting opens a second entry under
-        the same name, so a name shared by entries gets ``#index``. Lock held."""
-        labels = collections.Counter(s.label for s in self._entries.values())
-        return [
-            (s.label if labels[s.label] == 1 else f"{s.label}#{i}", i, s)
-            for i, s in self._entries.items()
-        ]
+        """(key, index, stats) per entry: the key fixed at ``open``, so a later connection
+        claiming the same name never renames an earlier one's series. Lock held."""
+        return [(s.key, i, s) for i, s in self._entries.items()]
 
     def refusals(self) -> dict[str, dict[str, int]]:
         """Refused hellos by declared producer name, then reason."""

@@ -1,11 +1,13 @@
 """Options of producers and the trainer: frozen dataclasses validated at construction.
 
-A bad value raises ``ConfigError`` naming the field and the value, before anything starts.
+A bad value raises ``ConfigError`` naming the field and the value, before anything starts;
+every number must be finite (``check_number``: NaN and infinity pass comparisons).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 
@@ -38,10 +40,21 @@ def _check_transport(value: str) -> None:
         raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
 
 
-def _positive(field: str, value: float, *, zero_ok: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+def check_number(
+    field: str, value: float, *, zero_ok: bool = False, integer: bool = False
+) -> None:
+    """``ConfigError`` naming ``field`` and ``value`` unless ``value`` is a finite number
+    (an integer, with ``integer``) above 0, or at 0 with ``zero_ok``. NaN and the infinities
+    are refused: a NaN passes every comparison check (``nan < 0`` is false)."""
+    types = int if integer else (int, float)
+    ok = (
+        isinstance(value, types)
+        and not isinstance(value, bool)
+        and not (isinstance(value, float) and not math.isfinite(value))
+    )
     if not ok or value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{field} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+        what = "an integer" if integer else "a finite number"
+        raise ConfigError(f"{field} must be {what} {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +86,10 @@ class ProducerOptions:
             raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
         if self.schema is not None and not isinstance(self.schema, Schema):
             raise ConfigError(f"schema must be a Schema or None, got {type(self.schema).__name__}")
-        _positive("inflight_mb", self.inflight_mb)
-        _positive("rate", self.rate, zero_ok=True)
-        _positive("max_batches", self.max_batches, zero_ok=True)
+        check_number("inflight_mb", self.inflight_mb)
+        check_number("rate", self.rate, zero_ok=True)
+        check_number("max_batches", self.max_batches, zero_ok=True, integer=True)
+        check_number("seed", self.seed, zero_ok=True, integer=True)
         if self.source != "synthetic" and not re.fullmatch(r"[\w.]+:\w+", self.source):
             raise ConfigError(f"source must be 'synthetic' or module:function, got {self.source!r}")
 
@@ -148,11 +162,11 @@ class TrainerOptions:
             raise ConfigError(
                 f"recv_threads must be an integer in [1, 64], got {self.recv_threads!r}"
             )
-        _positive("steps", self.steps, zero_ok=True)
-        _positive("warmup_steps", self.warmup_steps, zero_ok=True)
-        _positive("queue_mb", self.queue_mb)
-        _positive("max_message_mb", self.max_message_mb, zero_ok=True)
-        _positive("wait_log_s", self.wait_log_s)
+        check_number("steps", self.steps, zero_ok=True, integer=True)
+        check_number("warmup_steps", self.warmup_steps, zero_ok=True, integer=True)
+        check_number("queue_mb", self.queue_mb)
+        check_number("max_message_mb", self.max_message_mb, zero_ok=True)
+        check_number("wait_log_s", self.wait_log_s)
         if not isinstance(self.stage_depth, int) or not 1 <= self.stage_depth <= 16:
             raise ConfigError(
                 f"stage_depth must be an integer in [1, 16], got {self.stage_depth!r}"
@@ -167,7 +181,7 @@ class TrainerOptions:
                 f"credit_per_producer must be an integer in [1, 64], "
                 f"got {self.credit_per_producer!r}"
             )
-        _positive("producer_timeout_s", self.producer_timeout_s)
+        check_number("producer_timeout_s", self.producer_timeout_s)
         if not isinstance(self.model, str) or not (
             self.model == "alexnet" or re.fullmatch(r"[\w.]+:\w+", self.model)
         ):

@@ -3,9 +3,11 @@
 Every message starts with a msgpack map, the header, ``{"v": 2, "t": KIND, ...}``. From a
 producer:
 
-- ``hello``  ``{"name": str, "schema": Schema.to_dict() | None[, "shm": true]}``: first on every
-  connection; ``None`` asks for the trainer's schema; ``shm`` says the producer can hand
-  batches over in shared memory (docs/shm.md).
+- ``hello``  ``{"name": str, "schema": Schema.to_dict() | None[, "shm": true][, "session":
+  str]}``: first on every connection; ``None`` asks for the trainer's schema; ``shm`` says the
+  producer can hand batches over in shared memory (docs/shm.md); ``session`` is 32 hex digits
+  the producer drew once for its run, the same in every hello on every connection, and kept
+  secret: the trainer links the books of connections by it alone, never by ``name``.
 - ``batch``  ``{"seq": int, "arrays": [[name, dtype.str, shape], ...]}``, then one raw frame
   per array, C order, in the header's order. Sent only against credit (see below).
 - ``shm_batch`` ``{"seq": int, "desc": {"pool", "slot", "gen", "seq"}}``: a batch committed in
@@ -38,12 +40,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
 import numpy as np
 from stagefeed.common.errors import DropReason, ProtocolError
+from stagefeed.common.excerpt import excerpt
 from stagefeed.common.schema import (
     ALLOWED_DTYPES,
     MAX_ARRAYS,
@@ -52,7 +56,6 @@ from stagefeed.common.schema import (
     MAX_NDIM,
     Schema,
     bounds_problem,
-    excerpt,
 )
 
 PROTOCOL_VERSION = 2
@@ -75,11 +78,13 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "release": {"pool": (str,), "slot": (int,), "gen": (int,)},
     "bye": {},
 }
-# Optional keys of a kind: all of them or none (v2 stays strict: nothing else is accepted).
-_OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
-    "hello": {"shm": (bool,)},
-    "welcome": {"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},
+# Optional keys of a kind, in groups: each group all or none (v2 stays strict: nothing else
+# is accepted).
+_OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
+    "hello": ({"shm": (bool,)}, {"session": (str,)}),
+    "welcome": ({"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},),
 }
+SESSION = re.compile(r"[0-9a-f]{32}")
 _INT_RANGE = {
     "seq": (0, 2**63),
     "max_message": (1, 2**40),
@@ -106,14 +111,15 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 def _fields_problem(kind: str, keys: set[str]) -> str | None:
     """Why ``keys`` (besides "v" and "t") are not a ``kind`` message's, or None."""
-    required, optional = set(_FIELDS[kind]), set(_OPTIONAL.get(kind, ()))
-    extra = keys - required - optional
+    required = set(_FIELDS[kind])
+    groups = [set(group) for group in _OPTIONAL.get(kind, ())]
+    extra = keys - required - set().union(*groups)
     missing = required - keys
-    partial = keys & optional and keys & optional != optional
+    partial = [group for group in groups if keys & group and keys & group != group]
     if not (extra or missing or partial):
         return None
     unexpected = sorted(excerpt(k) for k in extra)[:4]
-    missing_text = sorted(missing | (optional - keys if partial else set()))
+    missing_text = sorted(missing.union(*(group - keys for group in partial)))
     return f"{kind}: unexpected {unexpected}, missing {missing_text}"
 
 
@@ -171,18 +177,22 @@ def decode_header(raw: Any, kinds: frozenset[str]) -> dict[str, Any]:
         raise ProtocolError(DropReason.KIND, f"message kind {excerpt(kind)}")
     problem = _fields_problem(kind, set(header) - {"v", "t"})
     if problem:
-        raise ProtocolError(DropReason.HEADER_FIELDS, problem)
-    fields = {**_FIELDS[kind], **_OPTIONAL.get(kind, {})}
+        raise ProtocolError(DropReason.HEADER_FIELDS, problem, kind)
+    fields = dict(_FIELDS[kind])
+    for group in _OPTIONAL.get(kind, ()):
+        fields.update(group)
     for key, types in fields.items():
         if key not in header:
             continue
         value = header[key]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")
+            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}", kind)
         if key in _INT_RANGE and not _INT_RANGE[key][0] <= value < _INT_RANGE[key][1]:
-            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}")
+            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {excerpt(value)}", kind)
         if isinstance(value, str) and len(value) > MAX_DETAIL_LEN:
-            raise ProtocolError(DropReason.HEADER_FIELDS, f"{kind}.{key}: {len(value)} characters")
+            raise ProtocolError(
+                DropReason.HEADER_FIELDS, f"{kind}.{key}: {len(value)} characters", kind
+            )
     return header
 
 
@@ -250,14 +260,22 @@ def schema_of_hello(header: Mapping[str, Any]) -> Schema | None:
     try:
         return Schema.from_dict(declared, source="hello schema")
     except ConfigError as exc:
-        raise ProtocolError(DropReason.HELLO, str(exc)[:MAX_DETAIL_LEN]) from None
+        raise ProtocolError(DropReason.HELLO, str(exc)[:MAX_DETAIL_LEN], "hello") from None
 
 
 def check_producer_name(name: str) -> str:
     """A producer's self-declared name, for logs and the books; never an identity."""
     if not 0 < len(name) <= MAX_PRODUCER_NAME or not name.isprintable():
-        raise ProtocolError(DropReason.HELLO, f"producer name {excerpt(name)}")
+        raise ProtocolError(DropReason.HELLO, f"producer name {excerpt(name)}", "hello")
     return name
+
+
+def check_session(header: Mapping[str, Any]) -> str | None:
+    """A hello's session token (None if it sent none); ``ProtocolError`` if malformed."""
+    session = header.get("session")
+    if session is not None and not SESSION.fullmatch(session):
+        raise ProtocolError(DropReason.HELLO, f"session {excerpt(session, 40)}", "hello")
+    return session
 
 
 def _check_array_entry(entry: Any) -> tuple[str, np.dtype, tuple[int, ...]]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.excerpt import excerpt
 
 # Dtypes an array may have, by name. Object, void, structured and string dtypes are absent on
 # purpose: decoding them could execute or allocate arbitrarily. Little-endian on the wire.
@@ -52,18 +53,6 @@ MAX_DIM = 2**31 - 1
 MAX_NAME_LEN = 64
 MAX_BATCH_SIZE = 2**20
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
-
-
-def excerpt(value: Any, limit: int = 60) -> str:
-    """A bounded, escaped description of untrusted data: never ``repr`` of a whole structure."""
-    if isinstance(value, (str, bytes)):
-        text = repr(value[:limit])
-    elif isinstance(value, (bool, int, float)) or value is None:
-        text = repr(value)
-    else:
-        size = len(value) if isinstance(value, (list, dict, tuple)) else None
-        text = type(value).__name__ + ("" if size is None else f" of {size}")
-    return text[: limit + 20]
 
 
 def _is_int(value: Any) -> bool:

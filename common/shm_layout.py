@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 from stagefeed.common.errors import ConfigError, DropReason, ProtocolError
+from stagefeed.common.excerpt import excerpt
 
 F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
@@ -34,6 +35,7 @@ HEADER_BYTES = 64
 GEN, SEQ, STATE = 0, 1, 2  # uint64 word indices in a slot header
 FREE, WRITING, COMMITTED = 0, 1, 2
 ANNOUNCE_VERSION = 1
+ANNOUNCE_KEYS = frozenset(["v", "pool", "slots", "layout"])
 MAX_SLOTS = 4096
 MAX_ARRAYS = 16
 MAX_NDIM = 9  # the schema's 8 dimensions per example, plus the batch
@@ -63,17 +65,21 @@ class ArraySpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise ConfigError(f"array name {self.name!r} must match {_NAME.pattern}")
-        if self.dtype not in ALLOWED_DTYPES:
-            raise ConfigError(f"array {self.name!r}: dtype {self.dtype!r} not in {ALLOWED_DTYPES}")
+            raise ConfigError(f"array name {excerpt(self.name)} must match {_NAME.pattern}")
+        if not isinstance(self.dtype, str) or self.dtype not in ALLOWED_DTYPES:
+            raise ConfigError(
+                f"array {self.name!r}: dtype {excerpt(self.dtype)} not in {sorted(ALLOWED_DTYPES)}"
+            )
         shape = self.shape
         if not isinstance(shape, tuple) or len(shape) > MAX_NDIM:
             raise ConfigError(
-                f"array {self.name!r}: shape {shape!r} must be a tuple, <= {MAX_NDIM} dims"
+                f"array {self.name!r}: shape {excerpt(shape)} must be a tuple, <= {MAX_NDIM} dims"
             )
         for dim in shape:
             if type(dim) is not int or not 1 <= dim <= MAX_DIM:
-                raise ConfigError(f"array {self.name!r}: dimension {dim!r} must be 1..{MAX_DIM}")
+                raise ConfigError(
+                    f"array {self.name!r}: dimension {excerpt(dim)} must be 1..{MAX_DIM}"
+                )
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +97,7 @@ class SlotLayout:
 
     def __post_init__(self) -> None:
         if not isinstance(self.arrays, tuple) or not 1 <= len(self.arrays) <= MAX_ARRAYS:
-            raise ConfigError(f"a layout has 1..{MAX_ARRAYS} arrays, got {self.arrays!r}")
+            raise ConfigError(f"a layout has 1..{MAX_ARRAYS} arrays, got {excerpt(self.arrays)}")
         names = [a.name for a in self.arrays]
         if len(set(names)) != len(names):
             raise ConfigError(f"array names must be unique: {names}")
@@ -130,9 +136,9 @@ class PoolAnnounce:
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool_id, str) or not POOL_ID.fullmatch(self.pool_id):
-            raise ConfigError(f"pool id {self.pool_id!r} must match {POOL_ID.pattern}")
+            raise ConfigError(f"pool id {excerpt(self.pool_id)} must match {POOL_ID.pattern}")
         if type(self.slots) is not int or not 1 <= self.slots <= MAX_SLOTS:
-            raise ConfigError(f"slots {self.slots!r} must be 1..{MAX_SLOTS}")
+            raise ConfigError(f"slots {excerpt(self.slots)} must be 1..{MAX_SLOTS}")
         if not isinstance(self.layout, SlotLayout):
             raise ConfigError(f"layout must be a SlotLayout, got {type(self.layout).__name__}")
         if self.size > MAX_POOL_BYTES:
@@ -152,21 +158,32 @@ class PoolAnnounce:
 
     @classmethod
     def from_wire(cls, obj: Any) -> PoolAnnounce:
-        """Parse a received announce; every defect is a ``ProtocolError``, nothing else."""
-        if not isinstance(obj, dict) or set(obj) != {"v", "pool", "slots", "layout"}:
-            raise ProtocolError(DropReason.HEADER_FIELDS, f"pool announce fields: {obj!r:.200}")
-        if obj["v"] != ANNOUNCE_VERSION:
-            raise ProtocolError(DropReason.VERSION, f"pool announce version {obj['v']!r:.20}")
+        """Parse a received announce; every defect is a ``ProtocolError``, nothing else. Its
+        text quotes received values as bounded excerpts, so any nesting or size is fine."""
+        if not isinstance(obj, dict) or set(obj) != ANNOUNCE_KEYS:
+            keys = sorted(excerpt(k, 20) for k in obj)[:6] if isinstance(obj, dict) else None
+            raise ProtocolError(
+                DropReason.HEADER_FIELDS,
+                f"pool announce {excerpt(obj)} with keys {keys}, expected {sorted(ANNOUNCE_KEYS)}",
+            )
+        if type(obj["v"]) is not int or obj["v"] != ANNOUNCE_VERSION:
+            raise ProtocolError(DropReason.VERSION, f"pool announce version {excerpt(obj['v'])}")
         layout = obj["layout"]
+        if (
+            not isinstance(layout, list)
+            or not 1 <= len(layout) <= MAX_ARRAYS
+            or not all(isinstance(a, list) and len(a) == 3 and isinstance(a[2], list)
+                       for a in layout)
+        ):  # fmt: skip
+            raise ProtocolError(
+                DropReason.HEADER_FIELDS,
+                f"layout must be 1..{MAX_ARRAYS} [name, dtype, [dims]]: {excerpt(layout)}",
+            )
         try:
-            if not isinstance(layout, list) or not all(
-                isinstance(a, list) and len(a) == 3 and isinstance(a[2], list) for a in layout
-            ):
-                raise ConfigError(f"layout must be [[name, dtype, [dims]], ...]: {layout!r:.200}")
             specs = tuple(ArraySpec(name, dtype, tuple(dims)) for name, dtype, dims in layout)
             return cls(obj["pool"], obj["slots"], SlotLayout(specs))
         except ConfigError as exc:
-            raise ProtocolError(DropReason.HEADER_FIELDS, str(exc)) from exc
+            raise ProtocolError(DropReason.HEADER_FIELDS, str(exc)) from None
 
 
 def header_words(buf: Any, slots: int, layout: SlotLayout) -> np.ndarray:

@@ -13,7 +13,8 @@ using the buffer is gone) keeps the lease alive. When the last dies,
 dropped it (often TF's, at the end of a ``session.run``), possibly after ``close()``: it must
 be quick, must not block, and must tolerate a pool that is gone. Its exceptions are logged.
 
-Validation never raises anything but ``ProtocolError`` (with a distinct ``DropReason``).
+Validation never raises anything but ``ProtocolError`` (with a distinct ``DropReason``), and
+its texts quote received values as bounded excerpts (``common.excerpt``), never their repr.
 Trust: a producer can still rewrite a committed slot while it is read; shared memory is for
 trusted producers on the same host (see docs/shm.md).
 """
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from stagefeed.common.errors import DropReason, ProtocolError
+from stagefeed.common.excerpt import excerpt
 from stagefeed.common.shm_layout import (
     COMMITTED,
     F_GET_SEALS,
@@ -56,13 +58,16 @@ REQUIRED_SEALS = F_SEAL_SHRINK | F_SEAL_GROW
 def parse_descriptor(desc: Any) -> tuple[str, int, int, int]:
     """``(pool, slot, gen, seq)`` of a well-formed descriptor, else ProtocolError."""
     if not isinstance(desc, dict) or set(desc) != DESCRIPTOR_KEYS:
-        raise ProtocolError(DropReason.SHM_DESCRIPTOR, f"not a slot descriptor: {desc!r:.200}")
+        keys = sorted(excerpt(k, 20) for k in desc)[:5] if isinstance(desc, dict) else None
+        raise ProtocolError(
+            DropReason.SHM_DESCRIPTOR, f"not a slot descriptor: {excerpt(desc)}, keys {keys}"
+        )
     pool, slot, gen, seq = desc["pool"], desc["slot"], desc["gen"], desc["seq"]
     if not isinstance(pool, str) or not POOL_ID.fullmatch(pool):
-        raise ProtocolError(DropReason.SHM_DESCRIPTOR, f"pool id {pool!r:.80}")
+        raise ProtocolError(DropReason.SHM_DESCRIPTOR, f"pool id {excerpt(pool)}")
     for name, value in (("slot", slot), ("gen", gen), ("seq", seq)):
         if type(value) is not int or not 0 <= value <= MAX_U64:
-            raise ProtocolError(DropReason.SHM_DESCRIPTOR, f"{name} {value!r:.40}")
+            raise ProtocolError(DropReason.SHM_DESCRIPTOR, f"{name} {excerpt(value)}")
     return pool, slot, gen, seq
 
 

@@ -18,8 +18,10 @@ go to the hand-off, whose capacity is the credit pool, so a put cannot block (ev
 it holds a credit). Control messages are answered at once, also while the queue is full.
 
 Errors: a message that fails a check is dropped, booked by reason, and its producer is told
-(``dropped`` / ``refused``). Any other exception while handling one message is logged, booked
-as ``internal``, and the thread goes on. A failure of a thread itself (socket, TensorFlow) is
+(``dropped`` for a batch, ``refused`` for a hello). Any other exception while handling one
+message is logged, booked as ``internal``, and the thread goes on; a batch still returns its
+credit and gets its ``dropped`` verdict then (``internal`` is a defect to fix: every check
+raises ``ProtocolError``). A failure of a thread itself (socket, TensorFlow) is
 carried to the train loop through ``check()``, which raises ``BrokenError``: never a silent
 exit.
 """
@@ -95,7 +97,7 @@ class Intake:
         self._credit_addr = f"inproc://stagefeed-credit-{id(self)}"
         self._last_internal_log = -1e9
         self._ipc_file: IpcFile | None = None
-        self._any_ended = False
+        self._delivered_and_ended = False  # a producer that delivered said end (see below)
         self._data_ended = threading.Event()
         self._closed = False
         self.endpoint = ""
@@ -234,12 +236,21 @@ class Intake:
         except ProtocolError as exc:
             conn = self._conns.get(routing_id)
             self._ledger.drop(exc.reason, exc.detail, conn.index if conn else None)
+            if exc.kind == "hello":  # the peer is told why, as for any refused hello
+                self._reply(router, routing_id, "refused", reason=exc.reason.value,
+                            detail=exc.detail)  # fmt: skip
         except Exception:  # noqa: BLE001 - one bad message must not stop the intake
-            self._ledger.drop(DropReason.INTERNAL, "unexpected error")
-            now = time.monotonic()
-            if now - self._last_internal_log >= INTERNAL_LOG_INTERVAL_S:
-                self._last_internal_log = now
-                log.exception("unexpected error while handling a message (dropped)")
+            conn = self._conns.get(routing_id)
+            self._ledger.drop(DropReason.INTERNAL, "unexpected error", conn.index if conn else None)
+            self._log_internal()
+
+    def _log_internal(self) -> None:
+        """Log the exception being handled, in full, at most every few seconds: ``internal``
+        is a defect to fix, never a verdict a peer can make the trainer give at will."""
+        now = time.monotonic()
+        if now - self._last_internal_log >= INTERNAL_LOG_INTERVAL_S:
+            self._last_internal_log = now
+            log.exception("unexpected error while handling a message (dropped)")
 
     def _user_id(self, frame: zmq.Frame) -> str | None:
         """The CURVE key ZAP admitted this connection with (None without CURVE)."""
@@ -276,12 +287,16 @@ class Intake:
             self._conns.end(conn)
             if self.shm is not None:
                 self.shm.ended(conn.routing_id)
-            self._any_ended = True
+            # Only a producer that delivered can end the data: a peer that said hello and
+            # end at once must not stop a trainer that no producer has reached yet.
+            if self._ledger.delivered(conn.index):
+                self._delivered_and_ended = True
 
     def _on_hello(
         self, router: zmq.Socket, routing_id: bytes, header: dict, user_id: str | None
     ) -> None:
         name = protocol.check_producer_name(header["name"])
+        session = protocol.check_session(header)
         declared = protocol.schema_of_hello(header)
         if declared is not None and declared != self.schema:
             detail = schema_difference(self.schema, declared)
@@ -291,7 +306,7 @@ class Intake:
         conn = self._conns.get(routing_id)
         if conn is None:
             index = None if self._conns.full() else self._ledger.open(
-                name if user_id is None else f"{name} key {user_id[:8]}"
+                name if user_id is None else f"{name} key {user_id[:8]}", session
             )
             if index is None:
                 detail = f"the trainer serves {MAX_LIVE_CONNECTIONS} connections at most"
@@ -319,12 +334,19 @@ class Intake:
         if not self._conns.use_credit(conn):
             self._refuse_batch(router, conn, seq, DropReason.NO_CREDIT, "sent without credit")
             return
+        # From here the batch holds a credit: however its checks fail, the credit returns
+        # and the producer gets a verdict.
         try:
             batch = decode()
             protocol.check_against_schema(batch, self.schema)
         except ProtocolError as exc:
             self._conns.finished(conn.routing_id)
             self._refuse_batch(router, conn, seq, exc.reason, exc.detail)
+            return
+        except Exception:  # noqa: BLE001 - a defect: logged, and the batch still answered
+            self._log_internal()
+            self._conns.finished(conn.routing_id)
+            self._refuse_batch(router, conn, seq, DropReason.INTERNAL, "unexpected error")
             return
         reason = self._ledger.accept(conn.index, seq, batch.nbytes)
         if reason is not None:
@@ -355,15 +377,18 @@ class Intake:
         )
 
     def data_ended(self) -> bool:
-        """True once a producer signalled end of data, every live one has, and every batch
-        received has left the intake (enqueued or dropped).
+        """True once a producer that delivered (a valid batch booked on its connection, or on
+        an earlier connection of its run) said ``end``, every live connection has said
+        ``end``, and every batch received has left the intake (enqueued or dropped). An
+        ``end`` from a connection that delivered nothing ends nothing: a run that has
+        received no batch never ends for lack of data (docs/guarantees.md).
         """
         return self._data_ended.is_set()
 
     def _update_data_ended(self) -> None:
         live = self._conns.live()
         ended = (
-            self._any_ended
+            self._delivered_and_ended
             and all(c.ended for c in live)
             and self._conns.available == self.credit_pool
         )

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.schema import excerpt, import_ref
+from stagefeed.common.excerpt import excerpt
+from stagefeed.common.schema import import_ref
 
 if TYPE_CHECKING:
     from stagefeed.common.options import TrainerOptions

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.endpoints import host_problem
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import check_number
 from stagefeed.common.stats import percentile
 from stagefeed.consumer.advice import DEFAULT_WIRE_MB_S, Advice, advise
 from stagefeed.consumer.figures import (
@@ -85,9 +86,7 @@ class ObserveOptions:
 
     def __post_init__(self) -> None:
         for name in ("progress_s", "advice_s", "wire_mb_s", "tensorboard_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+            check_number(name, getattr(self, name))
         port = self.metrics_port
         if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
             raise ConfigError(f"metrics_port must be in [0, 65535], got {port!r}")

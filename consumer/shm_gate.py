@@ -44,6 +44,7 @@ from typing import Any
 
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
+from stagefeed.common.excerpt import excerpt
 from stagefeed.common.fd_passing import FdChannel, FdListener, accept_pool
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
@@ -61,6 +62,7 @@ HANDSHAKE_S = 10.0  # a channel must present its token and offer within this
 MAX_POOLS = 64
 MAX_CHANNELS = 2 * MAX_POOLS
 JOIN_TIMEOUT_S = 3.0
+INTERNAL_LOG_INTERVAL_S = 5.0
 
 
 @dataclasses.dataclass
@@ -107,6 +109,7 @@ class ShmGate:
         self._peers: dict[int, _Peer] = {}
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._failure: Callable[[BaseException], None] = lambda exc: None
+        self._last_internal_log = -1e9
         self.pools_accepted = 0
         self.batches = 0  # shm batches the intake accepted (its thread counts them)
         self._closed = False
@@ -290,7 +293,8 @@ class ShmGate:
                 header, fd = peer.channel.recv(timeout=0)
                 if fd is not None:
                     os.close(fd)
-                raise ProtocolError(DropReason.SHM_FD, f"message after the offer: {header!r:.80}")
+                keys = sorted(excerpt(k, 20) for k in header)[:4]
+                raise ProtocolError(DropReason.SHM_FD, f"message after the offer, keys {keys}")
         except BrokenError:  # EOF: the producer closed the channel, exited or died
             self._drop_peer(poller, peer)
         except ProtocolError as exc:
@@ -299,6 +303,14 @@ class ShmGate:
                 self._drop_peer(poller, peer)
         except TimeoutError:
             pass  # woken without a whole message
+        except Exception:  # noqa: BLE001 - a defect; one peer's message must not end the thread
+            self._ledger.drop(DropReason.INTERNAL, "fd socket: unexpected error", peer.index)
+            now = time.monotonic()
+            if now - self._last_internal_log >= INTERNAL_LOG_INTERVAL_S:
+                self._last_internal_log = now
+                log.exception("unexpected error on the fd channel of pid %d (channel closed)",
+                              peer.channel.peer.pid)  # fmt: skip
+            self._drop_peer(poller, peer)
 
     def _on_token(self, peer: _Peer) -> None:
         header, fd = peer.channel.recv(timeout=0)

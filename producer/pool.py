@@ -13,7 +13,8 @@ from typing import Protocol
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import STOP_SIGNALS, stop_processes
 from stagefeed.common.options import ProducerOptions
-from stagefeed.producer.worker import FailureReports, worker_main
+from stagefeed.producer.process_pipes import FailureReports, StopFlag
+from stagefeed.producer.worker import worker_main
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class ProducerPool:
     def __init__(self, options: ProducerOptions, log_level: int = logging.INFO) -> None:
         self.options = options
         self._ctx = multiprocessing.get_context("spawn")
-        self._stop = self._ctx.Event()
+        # Pipes, not multiprocessing's Event/Queue: nothing in /dev/shm survives a SIGKILL.
+        self._stop = StopFlag(self._ctx)
         self._failures = FailureReports(self._ctx)
         self._log_level = log_level
         self.processes: list[multiprocessing.process.BaseProcess] = []

@@ -10,6 +10,9 @@ batch only against credit (``welcome.credit``, then ``credit {n}``), one each. C
 again on ``disconnected()``, a ``bye``, or a ``refused`` / ``dropped`` of reason
 ``no_hello``, which also makes a hello due on the same connection.
 
+Every hello carries the session's secret ``session`` token (32 hex digits, drawn once): the
+trainer links the books of this run's connections by it, never by the name.
+
 Shared memory: a session made with ``shm=True`` says so in every hello; each welcome's
 ``shm_*`` fields (or their absence) land in ``shm_offer`` and ``welcomes`` counts welcomes, so
 the channel thread attaches a new pool per welcome (``producer.shm_lane``). A ``release``
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +39,8 @@ from typing import Any
 import msgpack
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
-from stagefeed.common.schema import Schema, SchemaMismatch, excerpt
+from stagefeed.common.excerpt import excerpt
+from stagefeed.common.schema import Schema, SchemaMismatch
 from stagefeed.producer.handoff import Dropped, Welcome, Welcomed
 from stagefeed.producer.shm_lane import ShmOffer
 
@@ -69,6 +74,9 @@ class Session:
         self.welcomes = 0  # welcomes accepted, on any connection
         self._on_release = on_release
         self.name = name
+        # Links this run's connections in the trainer's books; secret, so that no other peer
+        # claiming our name can write into them (common/ledger.py).
+        self._token = secrets.token_hex(16)
         self.schema = schema  # declared, or adopted from the first welcome; then fixed
         self.welcome: Welcome | None = None  # the first one
         self._max_unsent_of = max_unsent_of
@@ -105,9 +113,10 @@ class Session:
         self._reset(connected=False)
 
     def hello(self) -> dict[str, Any]:
-        """Fields of the hello to send now."""
+        """Fields of the hello to send now: the same ``session`` token on every connection."""
         declared = self.schema.to_dict() if self.schema is not None else None
-        return {"name": self.name, "schema": declared, **({"shm": True} if self.shm else {})}
+        shm = {"shm": True} if self.shm else {}
+        return {"name": self.name, "schema": declared, "session": self._token, **shm}
 
     def hello_sent(self, now: float) -> None:
         self.hello_due = False

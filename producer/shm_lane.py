@@ -28,7 +28,7 @@ import threading
 from typing import Any
 
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, ProtocolError
-from stagefeed.common.fd_passing import FdChannel, offer_pool
+from stagefeed.common.fd_passing import FdChannel, offer_pool, refusal_text
 from stagefeed.common.schema import Schema
 from stagefeed.common.shm_layout import MIB, SlotLayout
 from stagefeed.common.shm_pool import SlotPool
@@ -149,7 +149,7 @@ class ShmLane:
                 channel.close()
                 raise BrokenError("the trainer sent an fd with its token answer")
             if reply.get("ok") is not True:
-                raise BrokenError(f"the trainer refused the token: {reply!r:.200}")
+                raise BrokenError(f"the trainer refused the token: {refusal_text(reply)}")
             offer_pool(channel, pool, timeout=OFFER_TIMEOUT_S)
         except (OSError, TimeoutError, ProtocolError, BrokenError) as exc:
             pool.close()

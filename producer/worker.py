@@ -23,18 +23,18 @@ import threading
 import time
 from typing import Any
 
-from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, StagefeedError
+from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions
 from stagefeed.producer import shm_send
 from stagefeed.producer.channel import TrainerChannel
+from stagefeed.producer.process_pipes import FailureReports
 from stagefeed.producer.sources import WorkerInfo, open_feed, resolve_source
 
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 30.0
-MAX_REPORT_CHARS = 2000
 _flushing = threading.Event()
 
 
@@ -53,8 +53,9 @@ class _ParentWatch:
     """The worker's stop condition: the pool's shared flag, a signal to this process, or the
     death of the parent (no orphans left running).
 
-    A signal only sets ``signalled``, a plain attribute: the shared flag takes a lock in
-    ``is_set()``, and a signal handler that took it too could deadlock the code it interrupted.
+    A signal only sets ``signalled``, a plain attribute: a handler that did more (a log line,
+    a lock) could deadlock the code it interrupted. The shared flag is a pipe
+    (``process_pipes.StopFlag``), which also reads as set once the parent has died.
     """
 
     def __init__(self, stop: Any) -> None:
@@ -64,35 +65,6 @@ class _ParentWatch:
 
     def is_set(self) -> bool:
         return self.signalled or self._stop.is_set() or os.getppid() != self._parent
-
-
-class FailureReports:
-    """Workers' fatal errors, one line each, carried to the pool on a spawn-context queue.
-
-    Only our own processes write to it, and only ``(index, exit code, message text)``: the
-    text was written by us (it may quote the trainer's detail, never pickled network data).
-    The pool side (``first()``) keeps the first report: that is the one ``stagefeed produce``
-    prints as ``stagefeed: error: ...`` and whose exit code (2 or 3) it returns.
-    """
-
-    def __init__(self, ctx: Any) -> None:
-        self._queue = ctx.SimpleQueue()
-        self._first: StagefeedError | None = None
-
-    def report(self, index: int, error: StagefeedError) -> None:
-        """Worker side: send ``error``'s code and message."""
-        code = 2 if isinstance(error, ConfigError) else 3
-        self._queue.put((index, code, str(error)[:MAX_REPORT_CHARS]))
-
-    def first(self) -> StagefeedError | None:
-        """Pool side: the first failure reported, as the ``ConfigError``/``BrokenError``."""
-        while self._first is None and not self._queue.empty():
-            _index, code, text = self._queue.get()
-            self._first = ConfigError(text) if code == 2 else BrokenError(text)
-        return self._first
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_queue": self._queue, "_first": None}
 
 
 def worker_main(
@@ -130,7 +102,7 @@ def worker_main(
     except (ConfigError, BrokenError) as exc:
         log.debug("producer %d failed: %s", index, exc)
         if failures is not None:
-            failures.report(index, exc)
+            failures.report(exc)
         raise SystemExit(2 if isinstance(exc, ConfigError) else 3) from None
     finally:
         # CPython puts the default actions back while it exits, and a late Ctrl-C would then

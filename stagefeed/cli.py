@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import NoReturn
 
 from stagefeed import __version__, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
@@ -238,8 +239,18 @@ def _run_socket(args: argparse.Namespace) -> str | None:
     return os.path.join(tempfile.gettempdir(), f"stagefeed-shm-{os.getpid()}", "pools.sock")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its own errors (a value of the wrong type, an unknown flag, a missing
+    command) as the one line every bad flag gets: a ``ConfigError`` that ``main`` prints as
+    ``stagefeed: error: ...`` with exit code 2, instead of the usage block. Subcommands'
+    parsers are of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="stagefeed",
         description="Feed a TensorFlow trainer from producer processes over ZeroMQ.",
     )

@@ -30,7 +30,7 @@ from typing import Any
 
 from stagefeed import envflags
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import check_endpoint
+from stagefeed.common.options import check_endpoint, check_number
 
 DEFAULT_BIND = "tcp://*:5555"
 _WILDCARD_TCP = re.compile(r"tcp://(\*|0\.0\.0\.0):(\d+)")
@@ -128,8 +128,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _health(args: argparse.Namespace) -> int:
-    if not args.timeout_s > 0:
-        raise ConfigError(f"--timeout-s must be > 0, got {args.timeout_s!r}")
+    check_number("--timeout-s", args.timeout_s)
     endpoint = args.connect or local_endpoint(os.environ.get("STAGEFEED_BIND") or DEFAULT_BIND)
     check_endpoint("--connect", endpoint)
     configure = None

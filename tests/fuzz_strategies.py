@@ -1,4 +1,4 @@
-"""Hypothesis profiles, strategies and the per-call bound of the decoder fuzz tests.
+"""Hypothesis profiles, strategies and the per-call bounds of the decoder fuzz tests.
 
 Shared by ``tests/test_fuzz_protocol.py`` (the decoders) and ``tests/test_fuzz_intake.py``
 (a live intake). Importing this module loads the profile ``HYPOTHESIS_PROFILE`` names
@@ -7,8 +7,11 @@ Shared by ``tests/test_fuzz_protocol.py`` (the decoders) and ``tests/test_fuzz_i
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import tracemalloc
+from collections.abc import Iterator
 
 import msgpack
 import numpy as np
@@ -47,6 +50,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 # A header is at most 16 KiB: decoding one allocates a few objects per byte at most.
 MEMORY_BOUND = 8 * 2**20
 MAX_FRAME = 4096  # bytes of a generated data frame
+DEFAULT_RECURSION_LIMIT = 1000  # CPython's, under which the trainer's threads run
+THREAD_FRAMES = 20  # about how deep a trainer thread is when it checks a message
 
 # -- strategies ----------------------------------------------------------------------------------
 
@@ -257,8 +262,35 @@ def valid_schemas(draw) -> Schema:
 # -- the bound every call is held to ------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def trainer_recursion_limit(here: bool = False) -> Iterator[None]:
+    """The recursion room of a trainer's thread for the duration. Hypothesis raises the
+    (process-wide) limit by about 2000 frames while a test runs, which hides the very defect
+    these tests look for: ``repr`` of a value ~1000 deep raises ``RecursionError`` in a
+    trainer (default limit, shallow threads) and not under the raised limit.
+
+    ``here``: a call in this thread gets what a trainer thread has above its current depth,
+    the same wherever Hypothesis calls from (so an example fails alike when replayed).
+    Otherwise the default limit, for the intake's own shallow threads (this thread keeps at
+    least 100 frames of room).
+    """
+    raised = sys.getrecursionlimit()
+    depth, frame = 0, sys._getframe()
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    if here:
+        sys.setrecursionlimit(depth + DEFAULT_RECURSION_LIMIT - THREAD_FRAMES)
+    else:
+        sys.setrecursionlimit(max(DEFAULT_RECURSION_LIMIT, depth + 100))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(raised)
+
+
 def bounded(fn, *args, allowed: tuple[type[BaseException], ...] = (ProtocolError,)):
-    """``fn(*args)`` under tracemalloc: its result, or the allowed exception it raised.
+    """``fn(*args)`` under tracemalloc and the trainer's recursion limit: its result, or the
+    allowed exception it raised.
 
     Any other exception propagates (Hypothesis reports it); the traced peak must stay within
     ``MEMORY_BOUND``.
@@ -266,7 +298,8 @@ def bounded(fn, *args, allowed: tuple[type[BaseException], ...] = (ProtocolError
     tracemalloc.start()
     try:
         try:
-            result = fn(*args)
+            with trainer_recursion_limit(here=True):
+                result = fn(*args)
         except allowed as exc:
             result = exc
         _, peak = tracemalloc.get_traced_memory()

@@ -6,6 +6,7 @@ real producer (``stagefeed produce``) is used everywhere else.
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import numpy as np
@@ -22,10 +23,15 @@ class Peer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.name, self.timeout_s, self.credit = name, timeout_s, 0
+        # As a real producer: one secret token for this peer's run, in every hello; the
+        # trainer links the books of its connections by it (a cut shows as seq_missing).
+        self.session = secrets.token_hex(16)
         self.replies: list[dict] = []
 
     def hello(self) -> dict:
-        self.sock.send(protocol.encode_control("hello", name=self.name, schema=None))
+        self.sock.send(
+            protocol.encode_control("hello", name=self.name, schema=None, session=self.session)
+        )
         while True:
             reply = self.read()
             if reply["t"] in ("welcome", "refused"):

@@ -73,9 +73,8 @@ class Spawner:
     """Starts CLI processes (each in its own process group, logging to a file in ``folder``)
     and ends every group it started at ``kill_all()``: for fixtures of any scope.
 
-    ``kill_all`` asks first (SIGTERM to the group), then kills: a SIGKILL also kills
-    multiprocessing's resource tracker, which would leave the producers' named semaphores in
-    /dev/shm.
+    ``kill_all`` asks first (SIGTERM to the group), then kills, so every command gets to
+    clean up what it owns (sockets, summaries) when it can.
     """
 
     def __init__(self, folder) -> None:
@@ -333,8 +332,9 @@ def family(started) -> list[psutil.Process]:
 def shm_paths(procs: Iterable[psutil.Process]) -> set[str]:
     """Shared-memory files (/dev/shm) the processes map or hold open.
 
-    Producer workers map multiprocessing's named semaphores (``sem.mp-*``), which exist until
-    the pool is cleaned up; files already unlinked are listed too and never exist.
+    Whatever they are (multiprocessing's named semaphores ``sem.mp-*`` before the producer
+    pool shared pipes instead), none may outlive the processes; files already unlinked are
+    listed too and never exist.
     """
     paths = set()
     for proc in procs:

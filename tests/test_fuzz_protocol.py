@@ -1,12 +1,16 @@
 """Property-based fuzzing of the wire decoders and the schema parser (Hypothesis).
 
 Whatever the bytes, ``protocol.decode_header`` / ``decode_batch`` / ``check_against_schema`` /
-``schema_of_hello`` / ``check_producer_name`` raise nothing but ``ProtocolError`` and
-``Schema.from_dict`` nothing but ``ConfigError``; each call stays within a per-example time
-(Hypothesis ``deadline``) and a memory bound (tracemalloc peak, ``MEMORY_BOUND``). Inputs:
-arbitrary msgpack structures (nested lists, maps, ints, strings, bytes, floats, bools, nil,
-up to past msgpack's own nesting limit), headers bent one field at a time, raw and mutated
-bytes, and frame lists sized right or wrong for what a header declares.
+``schema_of_hello`` / ``check_producer_name``, ``shm_view.parse_descriptor`` (slot
+descriptors) and ``PoolAnnounce.from_wire`` (pool announces) raise nothing but
+``ProtocolError`` and ``Schema.from_dict`` nothing but ``ConfigError``; each call stays within
+a per-example time (Hypothesis ``deadline``), a memory bound (tracemalloc peak,
+``MEMORY_BOUND``) and the recursion room of a trainer's thread (Hypothesis raises the limit
+while a test runs, which would hide a ``repr`` of a value 1000 deep). Inputs: arbitrary
+msgpack structures (nested lists, maps, ints, strings, bytes, floats, bools, nil, up to past
+msgpack's own nesting limit), headers bent one field at a time, raw and mutated bytes, frame
+lists sized right or wrong for what a header declares, and descriptors, announces and ``end``
+headers with values nested past Python's recursion limit, oversized or mistyped.
 
 Budgets: the ``quick`` profile (default, ``make test``) runs ~200 examples a property; the
 ``fuzz`` profile (``HYPOTHESIS_PROFILE=fuzz``, ``make fuzz``) thousands. No example database
@@ -30,7 +34,16 @@ from stagefeed.common.schema import (
     ArraySpec,
     Schema,
 )
+from stagefeed.common.shm_layout import PoolAnnounce
+from stagefeed.common.shm_view import DESCRIPTOR_KEYS, parse_descriptor
 
+from tests.fuzz_shm_strategies import (
+    announces,
+    built,
+    descriptors,
+    end_headers,
+    packed_with_deep,
+)
 from tests.fuzz_strategies import (
     MAX_FRAME,
     arrays_fields,
@@ -242,3 +255,54 @@ def test_nesting_up_to_msgpacks_limit_is_dropped_not_raised(depth, field):
     if not isinstance(header, ProtocolError):
         result = bounded(protocol.decode_batch, header, [head, b"\0"])
         assert isinstance(result, ProtocolError)
+
+
+# -- shared memory and end: what the intake and the pools thread take besides batches ----------
+
+
+@given(desc=descriptors)
+def test_a_slot_descriptor_raises_only_protocol_error(desc):
+    """Any descriptor (fields nested past repr's limit, oversized, mistyped, missing, extra)
+    is parsed or refused as ``shm_descriptor``, in bounded time, memory and text."""
+    desc = built(desc)
+    result = bounded(parse_descriptor, desc)
+    if isinstance(result, ProtocolError):
+        assert result.reason is DropReason.SHM_DESCRIPTOR
+        return
+    assert isinstance(desc, dict) and set(desc) == DESCRIPTOR_KEYS
+    assert result == (desc["pool"], desc["slot"], desc["gen"], desc["seq"])
+
+
+@given(announce=announces)
+def test_a_pool_announce_raises_only_protocol_error(announce):
+    """What the pools thread hands ``PoolAnnounce.from_wire`` (a received map, any nesting):
+    an announce, or a ``ProtocolError`` of ``header_fields`` / ``version``."""
+    announce = built(announce)
+    result = bounded(PoolAnnounce.from_wire, announce)
+    if isinstance(result, ProtocolError):
+        assert result.reason in (DropReason.HEADER_FIELDS, DropReason.VERSION)
+        return
+    assert result.to_wire() == announce
+
+
+@given(announce=announces)
+def test_a_received_pool_announce_raises_only_protocol_error(announce):
+    """The same through msgpack, as ``common.fd_passing`` reads the announce off its socket
+    (values nested past the packer's limit written as raw bytes)."""
+    raw = packed_with_deep(announce)
+    assume(len(raw) <= 64 * 1024)  # the fd channel's message limit
+    try:
+        received = msgpack.unpackb(raw, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return  # refused by the channel (header_not_msgpack) before any parsing
+    result = bounded(PoolAnnounce.from_wire, received)
+    assert isinstance(result, (ProtocolError, PoolAnnounce))
+
+
+@given(raw=end_headers())
+def test_an_end_header_raises_only_protocol_error(raw):
+    header = bounded(protocol.decode_header, raw, protocol.FROM_PRODUCER)
+    if isinstance(header, ProtocolError):
+        return
+    assert set(header) == {"v", "t", "seq"} and header["t"] == "end"
+    assert type(header["seq"]) is int and 0 <= header["seq"] < 2**63

@@ -232,3 +232,85 @@ def test_data_ends_once_every_live_producer_said_end_and_all_was_handled(intake)
     b.send(protocol.encode_control("end", seq=0))
     _wait(intake.data_ended, "the data to end")
     assert intake.recorder.got == [(0, 0)]
+
+
+def test_a_defect_in_a_check_still_returns_the_credit_and_a_verdict(intake, monkeypatch):
+    """An unexpected exception while checking a batch (a defect: every check raises
+    ProtocolError) is booked ``internal``, and the batch still gets its ``dropped`` verdict
+    and its credit back: a peer sending such batches cannot take the credit pool. The defect
+    is planted in the decoder; the intake's handling of it is what is tested."""
+
+    def broken_decoder(header, frames):
+        raise RecursionError("planted defect")
+
+    monkeypatch.setattr(protocol, "decode_batch", broken_decoder)
+    sock = _peer(intake)
+    credit = _hello(sock)["credit"]
+    sent = 0
+    for _ in range(3):  # 3 x 2 batches: more than the pool of 4 credits, one credit at a time
+        for _ in range(credit):
+            sock.send_multipart(protocol.encode_batch(sent, GOOD))
+            sent += 1
+        replies = _replies(
+            sock, lambda r: _credit(r) >= credit and sum(v["t"] == "dropped" for v in r) == credit
+        )
+        assert {(v["reason"], v["detail"]) for v in replies if v["t"] == "dropped"} == {
+            ("internal", "unexpected error")
+        }
+    assert intake.ledger.drops_by_reason() == {"internal": sent}
+    monkeypatch.undo()
+    sock.send_multipart(protocol.encode_batch(sent, GOOD))
+    assert _wait(lambda: intake.recorder.got == [(0, sent)])
+    intake.check()
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason", "detail"),
+    [
+        ({"name": "bad\nname", "schema": None}, "hello", "producer name 'bad\\nname'"),
+        ({"name": "", "schema": None}, "hello", "producer name ''"),
+        ({"name": "p", "schema": {"arrays": 3}}, "hello", "'arrays' must list"),
+        ({"name": 7, "schema": None}, "header_fields", "hello.name: 7"),
+        ({"name": "p", "schema": None, "x": [[[[]]]]}, "header_fields", "unexpected [\"'x'\"]"),
+    ],
+    ids=["name with a newline", "empty name", "bad schema", "name an int", "extra field"],
+)
+def test_a_malformed_hello_is_refused_with_the_reason(intake, fields, reason, detail):
+    sock = _peer(intake)
+    sock.send(msgpack.packb({"v": 2, "t": "hello", **fields}))
+    refused = _reply(sock)
+    assert refused["t"] == "refused" and refused["reason"] == reason, refused
+    assert detail in refused["detail"], refused
+    assert intake.ledger.drops_by_reason() == {reason: 1}
+    assert intake.ledger.producer_count() == 0  # no books for it
+
+
+def test_only_a_producer_that_delivered_can_end_the_data(intake, caplog):
+    """``end`` from a connection that delivered nothing ends nothing; from a producer run that
+    delivered (on this connection, or on an earlier one with the same session token) it does."""
+    caplog.set_level("INFO", logger="stagefeed.consumer.intake")
+    idle = _peer(intake)
+    _hello(idle, name="idle")
+    idle.send(protocol.encode_control("end", seq=0))
+    assert _wait(lambda: intake.ledger.summary()["idle"]["ended_after"] == 0)
+    run = "ab" * 16
+    first = _peer(intake)
+    first.send(protocol.encode_control("hello", name="p", schema=None, session=run))
+    assert _reply(first)["t"] == "welcome"
+    first.send_multipart(protocol.encode_batch(0, GOOD))
+    assert _wait(lambda: intake.recorder.got == [(1, 0)])
+    first.close(linger=0)  # cut: forgotten once silent for producer_timeout_s (5 s here)
+    stranger = _peer(intake)
+    stranger.send(protocol.encode_control("hello", name="p", schema=None, session="cd" * 16))
+    assert _reply(stranger)["t"] == "welcome"
+    stranger.send(protocol.encode_control("end", seq=1))  # claims p's end: delivered nothing
+    assert _wait(lambda: "producer p silent for 5 s: forgotten" in caplog.text, 15)
+    # Every live connection said end, none that delivered: the data must not end (given the
+    # intake's loop 2 s to conclude otherwise).
+    assert not _wait(intake.data_ended, 2.0)
+    again = _peer(intake)  # the run that delivered, on a new connection
+    again.send(protocol.encode_control("hello", name="p", schema=None, session=run))
+    assert _reply(again)["t"] == "welcome"
+    assert not intake.data_ended()
+    again.send(protocol.encode_control("end", seq=1))
+    assert _wait(intake.data_ended)

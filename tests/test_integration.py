@@ -6,6 +6,9 @@ import json
 import math
 import re
 
+import zmq
+from stagefeed.common import protocol
+
 from tests import procs
 from tests.conftest import TINY, free_tcp_port
 
@@ -28,6 +31,15 @@ def _start_producers(start_cli, port: int, max_batches: int):
         ["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2", *TINY,
          "--max-batches", str(max_batches)],
         name="producers",
+    )  # fmt: skip
+
+
+def _endless_trainer(start_cli, port: int, summary_path):
+    """A ``--steps 0`` trainer of TINY batches writing its summary to ``summary_path``."""
+    return start_cli(
+        ["train", "--bind", f"tcp://127.0.0.1:{port}", *TINY, "--steps", "0",
+         "--json", str(summary_path)],
+        name="trainer",
     )  # fmt: skip
 
 
@@ -131,13 +143,8 @@ def test_trainer_stopped_by_signal_accounts_for_what_it_holds(tmp_path, start_cl
 def test_finite_producers_are_trained_to_the_last_batch_and_the_trainer_stops(tmp_path, start_cli):
     """``--steps 0`` with producers that end: every batch is trained (no lost tail: the queued
     and staged ones too), then the trainer stops by itself with exit code 0."""
-    port = free_tcp_port()
-    summary_path = tmp_path / "summary.json"
-    trainer = start_cli(
-        ["train", "--bind", f"tcp://127.0.0.1:{port}", *TINY, "--steps", "0",
-         "--json", str(summary_path)],
-        name="trainer",
-    )  # fmt: skip
+    port, summary_path = free_tcp_port(), tmp_path / "summary.json"
+    trainer = _endless_trainer(start_cli, port, summary_path)
     producers = _start_producers(start_cli, port, max_batches=12)
     assert producers.wait(120) == 0, producers.output()
     assert trainer.wait(120) == 0, trainer.output()
@@ -148,3 +155,30 @@ def test_finite_producers_are_trained_to_the_last_batch_and_the_trainer_stops(tm
     for stats in summary["producers"].values():
         assert stats["ended_after"] == 12 and stats["trained"] == 12
     assert "every producer's data ended" in trainer.output()
+
+
+def test_an_end_from_a_peer_that_delivered_nothing_does_not_end_the_data(tmp_path, start_cli):
+    """``hello`` then ``end {seq: 0}`` from a peer that never sent a batch, to a ``--steps 0``
+    trainer no producer has reached yet: the data has not ended (before, the trainer stopped
+    at once with 0 steps). Producers that deliver and end then end it, every batch trained."""
+    port, summary_path = free_tcp_port(), tmp_path / "summary.json"
+    trainer = _endless_trainer(start_cli, port, summary_path)
+    assert procs.wait_log(trainer, r"listening on tcp://", 90), trainer.output()
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(protocol.encode_control("hello", name="ends-at-once", schema=None))
+        assert sock.poll(30_000), "no welcome"
+        assert protocol.decode_header(sock.recv(), protocol.FROM_TRAINER)["t"] == "welcome"
+        sock.send(protocol.encode_control("end", seq=0))
+        assert procs.wait_log(trainer, r"ends-at-once: end of data after 0 batches", 30)
+        producers = _start_producers(start_cli, port, max_batches=3)
+        assert trainer.wait(120) == 0, trainer.output()
+        summary = _summary(summary_path)
+        assert summary["data_ended"] and not summary["interrupted"]
+        assert summary["batches"]["trained"] == 6, summary["batches"]
+        assert producers.wait(60) == 0, producers.output()
+    finally:
+        ctx.destroy(linger=0)

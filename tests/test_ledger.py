@@ -58,7 +58,36 @@ def test_two_connections_with_one_name_keep_separate_books():
     ledger.accept(first, 0, 1)
     assert ledger.accept(second, 0, 1) is None  # not a duplicate: another connection
     summary = ledger.summary()
-    assert set(summary) == {f"p#{first}", f"p#{second}"}
+    assert set(summary) == {"p", f"p#{second}"}  # the first keeps its key: nothing renamed
+
+
+def test_a_name_claimed_again_renames_nothing_and_links_nothing():
+    """An impostor saying hello with a producer's name and a forged seq: the genuine entry
+    keeps its key (its metrics series), and nothing of the impostor lands in its books or in
+    the totals' ``seq_missing`` (names link nothing; only the secret session token does)."""
+    ledger = Ledger()
+    genuine = ledger.open("host-1-0-ab12", session="a" * 32)
+    for seq in range(3):
+        ledger.accept(genuine, seq, 1)
+    before = ledger.read().producers
+    impostor = ledger.open("host-1-0-ab12")
+    ledger.accept(impostor, 2**63 - 1, 1)
+    books = ledger.read()
+    assert books.producers["host-1-0-ab12"] == before["host-1-0-ab12"]
+    assert books.producers[f"host-1-0-ab12#{impostor}"].seq_missing == 0
+    assert books.totals.seq_missing == 0
+    forger = ledger.open("host-1-0-ab12", session="b" * 32)  # a guessed token links nothing
+    ledger.accept(forger, 2**62, 1)
+    assert ledger.totals().seq_missing == 0
+    assert not ledger.delivered(ledger.open("x", session="c" * 32))
+    assert ledger.delivered(ledger.open("y", session="a" * 32))  # the same run, reconnected
+
+
+def test_keys_are_unique_even_when_a_name_looks_like_a_key():
+    ledger = Ledger()
+    indices = [ledger.open(name) for name in ("p", "p#1", "p", "p#2")]
+    keys = [key for key in ledger.summary()]
+    assert len(set(keys)) == len(indices) == 4, keys
 
 
 def test_drops_without_a_connection_do_not_grow_the_ledger():
@@ -108,15 +137,15 @@ def test_concurrent_accepts_are_all_booked():
 
 def test_a_producer_carrying_on_after_a_cut_connection_shows_the_hole_as_missing():
     ledger = Ledger()
-    first = ledger.open("p")
+    first = ledger.open("p", session="5e" * 16)
     for seq in range(4):
         ledger.accept(first, seq, 1)
-    second = ledger.open("p")  # the same producer, reconnected; seq 4 was lost on the wire
+    second = ledger.open("p", session="5e" * 16)  # reconnected; seq 4 was lost on the wire
     for seq in range(5, 8):
         ledger.accept(second, seq, 1)
     assert ledger.totals().seq_missing == 1
     summary = ledger.summary()
-    assert summary[f"p#{first}"]["seq_missing"] == 0 and summary[f"p#{second}"]["seq_missing"] == 1
+    assert summary["p"]["seq_missing"] == 0 and summary[f"p#{second}"]["seq_missing"] == 1
 
 
 def test_abandoned_batches_are_not_counted_as_queued():
@@ -150,7 +179,8 @@ def test_refused_hellos_are_logged_at_most_once_per_interval(caplog):
 
 def test_read_gives_every_counter_typed_and_keyed_like_the_summary():
     ledger = Ledger()
-    first, second, other = ledger.open("p"), ledger.open("p"), ledger.open("q")
+    run = "0f" * 16
+    first, second, other = ledger.open("p", run), ledger.open("p", run), ledger.open("q")
     for seq in (0, 1, 3):  # seq 2 never came
         ledger.accept(first, seq, 10)
     ledger.accept(second, 5, 10)  # the same producer reconnected: seq 4 lost between them
@@ -168,7 +198,7 @@ def test_read_gives_every_counter_typed_and_keyed_like_the_summary():
     )
     assert books.totals == ledger.totals()
     assert books.producers == {
-        f"p#{first}": ProducerTotals(received=3, trained=1, seq_missing=1),
+        "p": ProducerTotals(received=3, trained=1, seq_missing=1),
         f"p#{second}": ProducerTotals(received=1, trained=0, seq_missing=1),
         "q": ProducerTotals(received=1, trained=0, seq_missing=0),
     }

@@ -3,9 +3,14 @@ with one line naming it, before TensorFlow is imported or any process starts."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import math
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import image_schema
@@ -67,6 +72,64 @@ def test_byte_budgets_derive_message_counts():
     small = image_schema(batch_size=256, dtype="uint8")
     assert TrainerOptions(schema=small, queue_mb=2048).queue_capacity == 54
     assert TrainerOptions(schema=spec).max_message_bytes == spec.batch_bytes + 2**20
+
+# ---- every float option refuses NaN and the infinities ---------------------------------------
+
+# The modules that define option classes (frozen dataclasses named *Options or *Config): every
+# float field of every such class is covered, a new one automatically.
+OPTION_MODULES = (
+    "stagefeed.common.options", "stagefeed.consumer.monitor", "stagefeed.bench.config",
+)  # fmt: skip
+OPTION_SUFFIXES = ("Options", "Config")
+
+
+def _float_options() -> list[tuple[type, str]]:
+    found = []
+    for module in map(importlib.import_module, OPTION_MODULES):
+        for cls in vars(module).values():
+            if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+                continue
+            if cls.__module__ != module.__name__ or not cls.__name__.endswith(OPTION_SUFFIXES):
+                continue
+            for field in dataclasses.fields(cls):
+                if field.init and "float" in str(field.type).replace(" ", "").split("|"):
+                    found.append((cls, field.name))
+    return found
+
+
+FLOAT_OPTIONS = _float_options()
+
+
+def test_the_float_options_are_found():
+    names = {f"{cls.__name__}.{name}" for cls, name in FLOAT_OPTIONS}
+    assert {
+        "ProducerOptions.inflight_mb", "ProducerOptions.rate", "TrainerOptions.queue_mb",
+        "TrainerOptions.max_message_mb", "TrainerOptions.wait_log_s",
+        "TrainerOptions.producer_timeout_s", "ObserveOptions.progress_s",
+        "ObserveOptions.wire_mb_s", "StepsConfig.queue_mb", "IngestConfig.gb",
+    } <= names, names  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    ("cls", "name"), FLOAT_OPTIONS, ids=[f"{c.__name__}.{n}" for c, n in FLOAT_OPTIONS]
+)
+def test_every_float_option_refuses_non_finite_values(cls, name, value):
+    with pytest.raises(ConfigError) as info:
+        cls(**{name: value})
+    assert name in str(info.value) and repr(value) in str(info.value), info.value
+
+
+@given(option=st.sampled_from(FLOAT_OPTIONS), value=st.floats())
+def test_a_float_option_is_finite_or_refused_naming_it(option, value):
+    cls, name = option
+    try:
+        options = cls(**{name: value})
+    except ConfigError as exc:
+        assert name in str(exc), exc
+        return
+    assert math.isfinite(getattr(options, name))
+
 
 # ---- the CLI: a bad value stops the command at start, before TensorFlow or any process --------
 
@@ -138,6 +201,91 @@ def test_cli_fails_at_start_with_one_line_naming_the_value(
     assert not leftovers  # the check wrote nothing it kept
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["train", "--queue-mb", "nan"], "queue_mb must be a finite number > 0, got nan"),
+        (["train", "--queue-mb", "inf"], "queue_mb must be a finite number > 0, got inf"),
+        (["train", "--max-message-mb", "inf"], "max_message_mb must be a finite number >= 0"),
+        (["train", "--max-message-mb", "nan"], "max_message_mb must be a finite number >= 0"),
+        (["train", "--producer-timeout-s", "nan"], "producer_timeout_s must be a finite number"),
+        (["train", "--progress-s", "inf"], "progress_s must be a finite number > 0, got inf"),
+        (["run", "--rate", "nan"], "rate must be a finite number >= 0, got nan"),
+        (["produce", "--inflight-mb", "nan"], "inflight_mb must be a finite number > 0"),
+    ],
+)
+def test_a_non_finite_number_fails_at_start_in_one_line(without_tensorflow, args, named):
+    done = run_cli([*args, "--batch-size", "2"], timeout=60, env=without_tensorflow)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"stagefeed: error: {named}"), done.stderr
+    assert done.stdout == ""
+
+
+def _typed_flags() -> list[tuple[list[str], str]]:
+    """(command words, its first flag that takes an int or a float), for every command."""
+    import argparse
+
+    from stagefeed.cli import build_parser
+
+    found = []
+
+    def walk(parser: argparse.ArgumentParser, words: list[str]) -> None:
+        actions = parser._actions  # noqa: SLF001 - argparse keeps its flags there
+        for action in actions:
+            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+                for name, sub in action.choices.items():
+                    walk(sub, [*words, name])
+        typed = [a for a in actions if a.option_strings and a.type in (int, float)]
+        if words and typed:
+            found.append((words, typed[0].option_strings[0]))
+
+    walk(build_parser(), [])
+    return found
+
+
+TYPED_FLAGS = _typed_flags()
+
+
+def test_every_command_has_a_typed_flag_to_try():
+    commands = {" ".join(words) for words, _ in TYPED_FLAGS}
+    assert {"train", "run", "produce", "health", "keygen", "bench steps", "bench ingest"} <= (
+        commands
+    ), commands
+
+
+@pytest.mark.parametrize(
+    ("words", "flag"), TYPED_FLAGS, ids=[" ".join(w) for w, _ in TYPED_FLAGS]
+)
+def test_a_value_of_the_wrong_type_fails_in_one_line_for_every_command(
+    without_tensorflow, words, flag
+):
+    """argparse's own errors are the one ``stagefeed: error:`` line, not its usage block."""
+    done = run_cli([*words, flag, "1.5x"], timeout=60, env=without_tensorflow)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"stagefeed: error: argument {flag}: invalid "), lines[0]
+    assert "'1.5x'" in lines[0] and done.stdout == ""
+
+
+def test_steps_of_one_and_a_half_fails_in_one_line(without_tensorflow):
+    done = run_cli(["train", "--steps", "1.5"], timeout=60, env=without_tensorflow)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "stagefeed: error: argument --steps: invalid int value: '1.5' "
+        "(see stagefeed train --help)"
+    ]
+
+
+def test_health_refuses_a_non_finite_timeout_in_one_line(without_tensorflow):
+    done = run_cli(["health", "--timeout-s", "inf"], timeout=60, env=without_tensorflow)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "stagefeed: error: --timeout-s must be a finite number > 0, got inf"
+    ]
+
+
 def test_cli_reads_the_paths_from_the_environment_too(without_tensorflow):
     env = {**without_tensorflow, "STAGEFEED_JSON": "/proc/x.json"}
     done = run_cli(["train", "--batch-size", "2"], timeout=60, env=env)
@@ -165,4 +313,6 @@ def test_the_producer_timeout_flag_reaches_the_options_and_a_bad_one_fails_at_st
     assert trainer_options(args, "tcp://127.0.0.1:*").producer_timeout_s == 3.5
     done = run_cli(["train", "--producer-timeout-s", "0"])
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == "stagefeed: error: producer_timeout_s must be > 0, got 0.0"
+    assert done.stderr.strip() == (
+        "stagefeed: error: producer_timeout_s must be a finite number > 0, got 0.0"
+    )

@@ -151,3 +151,24 @@ def test_trainer_killed_and_restarted_producers_resume_over_shared_memory(spawn)
     assert not os.path.lexists(first.socket)
     assert not os.path.exists(os.path.dirname(first.socket))
     assert dev_shm() <= before
+
+
+def test_a_producer_tree_killed_whole_leaves_nothing_in_dev_shm(spawn):
+    """``stagefeed produce --transport shm`` killed with SIGKILL, supervisor, workers and
+    multiprocessing's resource tracker at once, so no finalizer and no tracker runs: nothing
+    any of them mapped or held in /dev/shm is left (before: 7 ``sem.mp-*`` semaphores of the
+    pool's Event and Queue per producer). Their pools are memfds, never in /dev/shm."""
+    trainer = shm_procs.CanaryTrainer(spawn, "--producer-timeout-s", "3")
+    producer = shm_procs.produce(spawn, trainer.endpoint, "--workers", "2", name="killed")
+    workers = procs.workers_of(producer, 2)
+    for worker in workers:
+        trainer.trained_of(worker.pid, 2)  # in full swing: pools offered, batches trained
+    family = procs.family(producer)
+    assert len(family) >= 4, [p.cmdline() for p in family]  # supervisor, tracker, 2 workers
+    held = procs.shm_paths(family)  # /dev/shm files of any of them, mapped or open
+    os.killpg(producer.proc.pid, signal.SIGKILL)
+    gone, _ = procs.gone_within(family, 30)
+    assert gone, [p.cmdline() for p in family if procs._alive(p)]
+    left = sorted(path for path in held if os.path.lexists(path))
+    assert not left, left
+    assert trainer.stop()["loss_last"] == 0

@@ -126,6 +126,25 @@ def test_forged_max_seq_cannot_touch_the_good_producers_books(target, peer):
     assert not peer.verdicts
 
 
+def test_a_peer_claiming_the_good_producers_name_renames_and_links_nothing(target):
+    """A name is a label anyone can claim: a hello with the good producer's name, then a batch
+    with seq 2**63-1, opens books of its own under ``name#index``. The good producer's series
+    keep their label and their counts, and no sequence hole appears anywhere (before: the
+    genuine series became ``name#0`` and ``seq_missing`` read 9.2e18)."""
+    require(target.good is not None, "needs per-producer metric labels")
+    before = target.metrics()
+    impostor = new_peer(target, name=target.good)
+    impostor.send_batch(wire.good_frames(2**63 - 1))
+    mine = [k for k in target.wait(lambda m: len(m.received) > len(before.received)).received
+            if k not in before.received]  # fmt: skip
+    assert len(mine) == 1 and mine[0].startswith(f"{target.good}#"), mine
+    after = check_still_training(target, before)  # under its own, unchanged label
+    assert after.received[mine[0]] == 1 and not impostor.verdicts
+    assert after.trained[target.good] > before.trained[target.good]
+    assert sum(after.missing.values()) == sum(before.missing.values()), after.missing
+    impostor.send(wire.control("end", seq=1))
+
+
 def test_seq_far_past_the_window_is_seq_range_and_does_not_move_it(target, peer):
     peer.send_batch(wire.good_frames(0))
     target.wait(lambda m: m.received.get(peer.name, 0) == 1)

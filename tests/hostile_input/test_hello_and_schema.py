@@ -46,6 +46,14 @@ def test_hello_nested_1000_deep(target):
     check_cases(target, [one("name", [deep_name], "header_fields"),
                          one("schema", [deep_schema], "hello")], p)  # fmt: skip
     assert p.welcome is None
+    assert_told(p, ["header_fields", "hello"])
+
+
+def assert_told(p: Peer, reasons: list[str]) -> None:
+    """The peer of malformed hellos got one ``refused`` per hello, naming each one's reason."""
+    assert p.wait(lambda: len(p.refusals) >= len(reasons)), p.refusals
+    assert [r["reason"] for r in p.refusals] == reasons, p.refusals
+    assert all(r["detail"] for r in p.refusals), p.refusals
 
 
 def refusal_count(m: procs.Metrics, reason: str) -> int:
@@ -142,7 +150,10 @@ def test_hello_with_a_malformed_or_oversized_schema(target):
     cases.append(one("oversized", wire.hello("oversized", oversized), "header_size"))
     p = new_peer(target, hello=False)
     check_cases(target, cases, p)
-    assert p.welcome is None and not p.refusals
+    assert p.welcome is None
+    # Each is told why, but the oversized one: its header was never read, so not known as a
+    # hello.
+    assert_told(p, [reason for case in cases[:-1] for reason in case.expected])
 
 
 def test_hello_with_a_bad_name(target):
@@ -150,6 +161,7 @@ def test_hello_with_a_bad_name(target):
     p = new_peer(target, hello=False)
     check_cases(target, [one(k, wire.hello(n), "hello") for k, n in names.items()], p)
     assert p.welcome is None
+    assert_told(p, ["hello"] * len(names))
 
 
 def test_hello_flood_is_bounded_and_the_good_producer_keeps_training(target):
