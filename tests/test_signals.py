@@ -1,15 +1,16 @@
 """SIGINT and SIGTERM to ``stagefeed run``, ``train`` and ``produce``, once or repeatedly, at
 start-up, while working and during the shutdown: the command ends within its bound, exits 0
 without a traceback, prints its summary (run, train), and leaves nothing behind (process, ipc
-socket file, multiprocessing semaphore).
+socket file, shared-memory file).
 
 SIGTERM goes to the command's process only (``kill``, ``docker stop``); SIGINT goes to its
 whole process group, as a terminal's Ctrl-C does. "Nothing left" is checked on the process
 group (every process stagefeed starts stays in it, the resource tracker included, so one that
 started late or was orphaned is found too) and on /dev/shm: no file that the run's processes
-mapped before the signal (multiprocessing's ``sem.mp-*`` semaphores) may remain. Other
-sessions on the machine create and leak semaphores of their own, so "appeared during the run"
-would not say whose they are: what a process of the run maps does.
+mapped before the signal may remain (the producers' stop flag and failure reports are pipes
+now, so there is none to map: ``test_run`` checks that). Other sessions on the machine create
+and leak files there of their own, so "appeared during the run" would not say whose they
+are: what a process of the run maps does.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def test_run(spawn, sig):
     procs.workers_of(started, 2)
     assert os.path.exists(socket_file)
     watch = Watch(started, [socket_file])
-    assert [p for p in watch.shm if p.startswith("/dev/shm/sem.")]  # the pool's stop event
+    assert watch.shm == set(), watch.shm  # no named semaphore, nothing else in /dev/shm
     watch.send([sig])
     watch.check_ended(summary=True)
 
