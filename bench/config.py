@@ -11,7 +11,7 @@ from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import check_number
 from stagefeed.common.schema import Schema, image_schema
 
-# The graph family: compat.v1 sessions training ``consumer.model``'s AlexNet.
+# The graph family: compat.v1 sessions training ``consumer.graph.alexnet``'s AlexNet.
 STEP_MODES = (
     "synthetic-device",
     "synthetic-host",
@@ -39,7 +39,7 @@ IMAGE_DTYPES = ("float32", "uint8")
 DEVICES = ("auto", "cpu", "gpu")
 # The seed pre-filled a FIFOQueue of 106 batches before timing.
 SEED_QUEUE_DEPTH = 106
-# consumer.model.check_schema says the same with TensorFlow imported; checked here so a bad
+# consumer.graph.alexnet.check_schema says the same with TensorFlow imported; checked here so a bad
 # flag fails before any worker process starts.
 MIN_IMAGE_SIZE = 195
 
@@ -104,7 +104,7 @@ def _subset(name: str, values: tuple, allowed: tuple) -> None:
 @dataclasses.dataclass(frozen=True)
 class StepsConfig:
     """``bench steps``: every mode trains the same AlexNet step on the same batch shape (the
-    graph family ``consumer.model``'s, the Keras family the same network in Keras).
+    graph family ``consumer.graph.alexnet``'s, the Keras family the same network in Keras).
 
     ``steps`` timed steps per mode are split into ``rounds`` blocks (0: one step per block,
     the finest interleaving); the modes take turns block by block (forward order, then

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # Each producer may hold this many batches unsent (bounds its memory: one more for filling).
 PRODUCER_UNSENT_BATCHES = 4
-# The trainer-side threads of the feed path (consumer.intake, consumer.shm_gate) and
+# The trainer-side threads of the feed path (consumer.intake.intake, consumer.intake.shm_gate) and
 # ZeroMQ's I/O threads.
 FEED_THREADS = ("stagefeed-intake", "stagefeed-enqueue", "stagefeed-shm-pools")
 ZMQ_THREADS = ("ZMQbg/IO",)
@@ -37,7 +37,7 @@ class Loopback:
 
     ``tcp``: an ephemeral loopback port. ``ipc``: a socket file in the temp directory.
     ``shm``: batches in slots of shared-memory pools, control over ipc, pools offered on a
-    unix socket beside it (consumer/shm_gate.py).
+    unix socket beside it (consumer/intake/shm_gate.py).
     """
 
     def __init__(self, config: StepsConfig, name: str = "bench") -> None:

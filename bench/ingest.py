@@ -1,6 +1,6 @@
 """``bench ingest``: how many GB/s producers -> ZeroMQ -> intake -> FIFOQueue deliver.
 
-The trainer is the real one (``consumer.trainer.Trainer`` with its intake, FIFOQueue and
+The trainer is the real one (``consumer.graph.trainer.Trainer`` with its intake, FIFOQueue and
 StagingArea) with ``trivial_model_fn`` as its model, so a step costs almost nothing and the
 step rate is the delivery rate. Each measurement is reported next to raw pyzmq for the same
 messages, transport and sender count, measured just before or after it (the order
@@ -13,7 +13,8 @@ it): the producer processes, and the trainer's intake, enqueue and pool threads 
 I/O threads; for raw pyzmq, the senders and the receiving process.
 
 Raw pyzmq's receiver runs in this process, so the trainer's malloc policy
-(``consumer.malloc_policy``, process-wide once applied) is applied before the first measurement
+(``consumer.memory.malloc_policy``, process-wide once applied) is applied before the first
+measurement
 (by the command line before any other thread starts, as for ``stagefeed train``): every raw
 figure of a run is then taken under the same heap settings as the trainer's, the stronger
 ceiling (without it the first raw measurement of a run page-faulted and later ones did not).
@@ -42,9 +43,9 @@ from stagefeed.common.ledger import Books
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema
-from stagefeed.consumer import malloc_policy
-from stagefeed.consumer.train_steps import StepRecord
-from stagefeed.consumer.trainer import Trainer
+from stagefeed.consumer.graph.trainer import Trainer
+from stagefeed.consumer.memory import malloc_policy
+from stagefeed.consumer.trainer_base import StepRecord
 from stagefeed.producer.pool import ProducerPool, pool_check
 
 log = logging.getLogger(__name__)

@@ -1,14 +1,16 @@
 """The Keras model of ``bench steps``' Keras trio: the seed's AlexNet, layer for layer, in Keras 3.
 
-The same network as ``consumer.model`` (which the graph modes train), so the Keras table and
+The same network as ``consumer.graph.alexnet`` (which the graph modes train), so the Keras table and
 the graph table time the same arithmetic: VALID convolutions with bias and Glorot-uniform
 kernels and *no activation* (the seed passed none), VALID 3x3/2 max-pooling, two ReLU dense
 layers of 4096 with truncated-normal(stddev=1.0) kernels, a linear output of the labels' class
 count, sparse softmax cross-entropy on the logits, SGD with learning rate 0.01 on gradients
-clipped to a global norm of ``consumer.model.CLIP_NORM`` (the graph model's one departure from
+clipped to a global norm of ``consumer.graph.alexnet.CLIP_NORM`` (the graph model's one departure
+from
 the seed), no dropout (the seed's dropout ran with ``training=False``). Images enter in their
 wire dtype; a uint8 schema's cast and scale is the model's first layer
-(``consumer.keras_feed.cast_layer``), so it runs in the step on the training device, for every
+(``consumer.keras_fit.callback.cast_layer``), so it runs in the step on the training device, for
+every
 mode alike.
 
 ``jit_compile=False``: the graph modes run without XLA, and Keras' ``"auto"`` would turn XLA on
@@ -19,8 +21,8 @@ from __future__ import annotations
 
 import keras
 from stagefeed.common.schema import Schema
-from stagefeed.consumer import model as graph_model
-from stagefeed.consumer.keras_feed import cast_layer
+from stagefeed.consumer.graph.feed_graph import alexnet as graph_model
+from stagefeed.consumer.keras_fit.callback import cast_layer
 
 LEARNING_RATE = graph_model.LEARNING_RATE
 CLIP_NORM = graph_model.CLIP_NORM

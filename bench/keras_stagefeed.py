@@ -1,6 +1,6 @@
 """The ``keras-stagefeed`` mode of ``bench steps``: ``model.fit`` on stagefeed's TF 2 feed.
 
-Nothing is reimplemented: ``consumer.served_feed.ServedFeed`` (the intake, the eager FIFOQueue,
+Nothing is reimplemented: ``consumer.tf2.served_feed.ServedFeed`` (the intake, the eager FIFOQueue,
 the tf.data pipeline ending in the device buffer, the books) is fed by real producer processes
 (``producer.pool.ProducerPool``) over ``--transport``, exactly as a Keras user's trainer is, and
 ``fit`` gets the feed's booking callback as a user's would. The dataset hands Keras
@@ -18,7 +18,7 @@ import keras
 from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.feed_path import Loopback
 from stagefeed.bench.keras_modes import KerasMode
-from stagefeed.consumer.served_feed import ServedFeed
+from stagefeed.consumer.tf2.served_feed import ServedFeed
 from stagefeed.producer.pool import pool_check
 
 log = logging.getLogger(__name__)

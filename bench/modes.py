@@ -1,6 +1,7 @@
 """The graph-only input modes of ``bench steps``: one class per way of handing AlexNet a batch.
 
-Every mode trains ``alexnet_step`` (``consumer.model.model_fn``, the seed's AlexNet, on the batch
+Every mode trains ``alexnet_step`` (``consumer.graph.alexnet.model_fn``, the seed's AlexNet, on the
+batch
 cast on the device by ``consumer.cast.cast_arrays`` as the schema says: uint8 images to
 float32 / 255) on the same schema. A mode's lifecycle: ``setup()`` -> ``step()`` ... with
 ``settle()`` after each block of steps -> ``close()``. ``step()`` returns
@@ -19,9 +20,9 @@ import tensorflow as tf
 from stagefeed.bench.batches import host_batch
 from stagefeed.bench.config import StepsConfig
 from stagefeed.common.schema import Schema
-from stagefeed.consumer import model
 from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.devices import is_gpu
+from stagefeed.consumer.graph.feed_graph import alexnet
 
 v1 = tf.compat.v1
 
@@ -35,9 +36,9 @@ def alexnet_step(
     images: tf.Tensor, labels: tf.Tensor, schema: Schema
 ) -> tuple[tf.Tensor, tf.Operation]:
     """(loss, train op): the trainer's own step on a batch as it arrives (call under the
-    training device): the schema's cast and scale, then ``consumer.model.model_fn``."""
+    training device): the schema's cast and scale, then ``consumer.graph.alexnet.model_fn``."""
     staged = cast_arrays(schema, {"images": images, "labels": labels})
-    return model.model_fn(staged, schema)
+    return alexnet.model_fn(staged, schema)
 
 
 def tf_dtype(schema: Schema, name: str) -> tf.DType:

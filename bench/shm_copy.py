@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from stagefeed.common.shm_layout import SlotLayout
-from stagefeed.common.shm_pool import SlotPool
-from stagefeed.common.shm_view import MappedPool
+from stagefeed.common.shm.layout import SlotLayout
+from stagefeed.common.shm.mapped import MappedPool
+from stagefeed.common.shm.slots import SlotPool
 
 
 def _timed(fn: Callable[[], Any], reps: int) -> float:

@@ -1,6 +1,7 @@
 """The stagefeed mode of ``bench steps``: the real trainer fed by real producer processes.
 
-``consumer.trainer.Trainer`` (intake, FIFOQueue, StagingArea, ``consumer.model.model_fn``) and
+``consumer.graph.trainer.Trainer`` (intake, FIFOQueue, StagingArea,
+``consumer.graph.alexnet.model_fn``) and
 ``producer.pool.ProducerPool`` run as in ``stagefeed run``; nothing is reimplemented. The
 trainer's loop runs on its own thread ("bench-stagefeed-train") and a gate observer holds it
 after every step until ``step()`` asks for the next one, so steps run only when this mode is
@@ -19,9 +20,9 @@ from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.feed_path import Loopback
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import join_threads
-from stagefeed.consumer import model
-from stagefeed.consumer.train_steps import StepRecord
-from stagefeed.consumer.trainer import Trainer
+from stagefeed.consumer.graph.feed_graph import alexnet
+from stagefeed.consumer.graph.trainer import Trainer
+from stagefeed.consumer.trainer_base import StepRecord
 from stagefeed.producer.pool import pool_check
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class StagefeedMode:
             steps=0,  # until stopped: the gate decides how many steps run
             warmup_steps=0,  # the coordinator's warm-up steps are this mode's first steps
         )
-        self.trainer = Trainer(options, [self], model_fn=model.model_fn).start()
+        self.trainer = Trainer(options, [self], model_fn=alexnet.model_fn).start()
         link.start_producers(self.trainer.endpoint)
         self._thread = threading.Thread(target=self._train, name="bench-stagefeed-train")
         self._thread.start()

@@ -29,7 +29,7 @@ def _images(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 FAMILY_TITLE = {
-    "graph": "AlexNet (graph mode: consumer.model in a compat.v1 session)",
+    "graph": "AlexNet (graph mode: consumer.graph.alexnet in a compat.v1 session)",
     "keras": "AlexNet in Keras 3 (bench.keras_model), model.fit",
 }
 

@@ -110,7 +110,7 @@ def mode_worker(name: str, config: StepsConfig, conn: Any, log_level: int) -> No
     try:
         largest = config.schema.largest_array_bytes
         if name in POLICY_MODES:
-            from stagefeed.consumer import malloc_policy
+            from stagefeed.consumer.memory import malloc_policy
 
             if largest > malloc_policy.THREAD_HEAP_BYTES:  # as the command line does
                 malloc_policy.keep_freed_memory(largest)  # before TensorFlow's threads

@@ -214,7 +214,8 @@ class Ledger:
                 stats.trained_sequence.record(int(seq))
 
     def peer_event(self, name: str) -> None:
-        """Book a connection event of the bound socket (``consumer.peers`` names them)."""
+        """Book a connection event of the bound socket (``consumer.intake.socket_events`` names "
+        "them)."""
         with self._lock:
             self._peer_events[name] += 1
 

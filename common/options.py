@@ -126,12 +126,12 @@ class TrainerOptions:
     max_message_mb: float = 0.0  # 0 = one batch plus 1 MiB
     curve_keys: str | None = None
     wait_log_s: float = 10.0  # how often to say "waiting for data" while starved
-    keep_freed_memory: bool = True  # see consumer/malloc_policy.py
-    model: str = "alexnet"  # --model: "alexnet" or module:NAME (see consumer/models.py)
+    keep_freed_memory: bool = True  # see consumer/memory/malloc_policy.py
+    model: str = "alexnet"  # --model: "alexnet" or module:NAME (see consumer/model_ref.py)
     credit_per_producer: int = 2  # batches one producer may have in flight towards us
     producer_timeout_s: float = 10.0  # a connection silent this long is forgotten
     transport: str = "zmq"  # "shm"/"auto": also map producers' pools (ZeroMQ batches still go)
-    shm_socket: str | None = None  # where pools are offered; None: see consumer/shm_gate.py
+    shm_socket: str | None = None  # where pools are offered; None: see consumer/intake/shm_gate.py
     shm_producers: int = 1  # same-host producers the pools are sized for (docs/shm.md)
     # How long a run is: ``steps_per_epoch`` > 0 makes it ``epochs x steps_per_epoch`` steps,
     # warm-up included (``steps`` is then not used); else ``warmup_steps + steps`` in one epoch.

@@ -12,7 +12,7 @@ producer:
   per array, C order, in the header's order. Sent only against credit (see below).
 - ``shm_batch`` ``{"seq": int, "desc": {"pool", "slot", "gen", "seq"}}``: a batch committed in
   a slot of the producer's shared-memory pool (one frame, no data). Sent only against credit,
-  like ``batch``; ``desc`` is checked by ``common.shm_view`` (``shm_*`` drop reasons).
+  like ``batch``; ``desc`` is checked by ``common.shm.mapped`` (``shm_*`` drop reasons).
 - ``end``    ``{"seq": int}``: the source ended after ``seq`` batches (0..seq-1).
 - ``ping``   ``{}``: still here (sent while idle, so the trainer keeps its credit).
 

@@ -2,7 +2,7 @@
 step on the training device, the TF 2 pipeline on the host or inside a step (docs/schema.md).
 
 One implementation for every trainer; Keras models that take the wire dtype use
-``stagefeed.consumer.keras_feed.cast_layer``, the same arithmetic as a built-in layer.
+``stagefeed.consumer.keras_fit.callback.cast_layer``, the same arithmetic as a built-in layer.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, ProtocolError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.schema import Schema
-from stagefeed.common.shm_pool import SlotPool
+from stagefeed.common.shm.slots import SlotPool
 from stagefeed.producer.handoff import (
     Drained,
     Dropped,

@@ -28,10 +28,10 @@ import threading
 from typing import Any
 
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, ProtocolError
-from stagefeed.common.fd_passing import FdChannel, offer_pool, refusal_text
 from stagefeed.common.schema import Schema
-from stagefeed.common.shm_layout import MIB, SlotLayout
-from stagefeed.common.shm_pool import SlotPool
+from stagefeed.common.shm.fd_passing import FdChannel, offer_pool, refusal_text
+from stagefeed.common.shm.layout import MIB, SlotLayout
+from stagefeed.common.shm.slots import SlotPool
 
 log = logging.getLogger(__name__)
 

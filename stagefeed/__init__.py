@@ -39,14 +39,14 @@ __version__ = "0.2.0"
 
 # Trainer-side names: imported (with TensorFlow) only when first used.
 _LAZY = {
-    "Feed": "stagefeed.consumer.feed",
-    "KerasTrainer": "stagefeed.consumer.keras_trainer",
-    "ServedFeed": "stagefeed.consumer.served_feed",
-    "StepObserver": "stagefeed.consumer.train_steps",
-    "StepRecord": "stagefeed.consumer.train_steps",
-    "Trainer": "stagefeed.consumer.trainer",
-    "cast_layer": "stagefeed.consumer.keras_feed",
-    "keep_freed_memory": "stagefeed.consumer.malloc_policy",  # no TensorFlow
+    "Feed": "stagefeed.consumer.tf2.feed",
+    "KerasTrainer": "stagefeed.consumer.keras_fit.trainer",
+    "ServedFeed": "stagefeed.consumer.tf2.served_feed",
+    "StepObserver": "stagefeed.consumer.trainer_base",
+    "StepRecord": "stagefeed.consumer.trainer_base",
+    "Trainer": "stagefeed.consumer.graph.trainer",
+    "cast_layer": "stagefeed.consumer.keras_fit.callback",
+    "keep_freed_memory": "stagefeed.consumer.memory.malloc_policy",  # no TensorFlow
 }
 _WITH_TENSORFLOW = {"Feed", "KerasTrainer", "ServedFeed", "Trainer", "cast_layer"}
 

@@ -335,14 +335,14 @@ def _run(args: argparse.Namespace) -> int:
 def keep_freed_memory_first(args: argparse.Namespace) -> None:
     """A trainer command whose batches need glibc's one-arena limit applies the trainer's
     malloc policy before any other thread starts (the signal handling's, TensorFlow's): the
-    limit holds only while the main arena is the only one (consumer/malloc_policy.py). Other
+    limit holds only while the main arena is the only one (consumer/memory/malloc_policy.py). Other
     batches get the policy when the trainer starts, as before the limit existed.
     ``args.largest_block``, set by the commands that train in this process, gives the largest
     array of their batches."""
     largest_block = getattr(args, "largest_block", None)
     if largest_block is None or getattr(args, "return_freed_memory", False):
         return
-    from stagefeed.consumer import malloc_policy  # no TensorFlow there
+    from stagefeed.consumer.memory import malloc_policy  # no TensorFlow there
 
     largest = largest_block(args)
     if largest > malloc_policy.THREAD_HEAP_BYTES:

@@ -26,8 +26,8 @@ from stagefeed.common.paths import check_writable_dir, check_writable_file
 from stagefeed.producer.pool import ProducerPool, pool_check
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.monitor import FinalFigures, Monitor, ObserveOptions
-    from stagefeed.consumer.train_steps import TrainerBase
+    from stagefeed.consumer.observe.monitor import FinalFigures, Monitor, ObserveOptions
+    from stagefeed.consumer.trainer_base import TrainerBase
 
 log = logging.getLogger("stagefeed")
 
@@ -84,7 +84,7 @@ def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | Non
 
 def observe_options(args: argparse.Namespace) -> ObserveOptions:
     """Progress, advice, TensorBoard and Prometheus settings from the trainer flags."""
-    from stagefeed.consumer.monitor import ObserveOptions
+    from stagefeed.consumer.observe.monitor import ObserveOptions
 
     return ObserveOptions(
         progress_s=args.progress_s,
@@ -147,7 +147,7 @@ def _finish(
     """Print and write the summary; the exit code: 4 if a non-finite loss stopped training, 3
     if something failed, 1 if the JSON could not be written after all (the text summary is on
     stdout), else 0."""
-    from stagefeed.consumer.summary import format_text, summarize, write_json
+    from stagefeed.consumer.observe.summary import format_text, summarize, write_json
 
     summary = summarize(trainer, final, time.monotonic() - started, shutdown.by_signal)
     print(format_text(summary), flush=True)
@@ -178,11 +178,11 @@ def train(
     from stagefeed.consumer.quiet_tf import import_tensorflow
 
     import_tensorflow()
-    from stagefeed.consumer import models
-    from stagefeed.consumer.monitor import Monitor
+    from stagefeed.consumer import model_ref
+    from stagefeed.consumer.observe.monitor import Monitor
 
     monitor = Monitor(observe)
-    trainer = models.trainer(options, [monitor], _server_configurator(options))
+    trainer = model_ref.trainer(options, [monitor], _server_configurator(options))
     started = time.monotonic()
     failure = None
     try:
@@ -217,11 +217,11 @@ def run_local(
     from stagefeed.consumer.quiet_tf import import_tensorflow
 
     import_tensorflow()  # seconds
-    from stagefeed.consumer import models
-    from stagefeed.consumer.monitor import Monitor
+    from stagefeed.consumer import model_ref
+    from stagefeed.consumer.observe.monitor import Monitor
 
     monitor = Monitor(observe)
-    trainer = models.trainer(options, [monitor], _server_configurator(options))
+    trainer = model_ref.trainer(options, [monitor], _server_configurator(options))
     pool: ProducerPool | None = None
     failure: BaseException | None = None
     started = time.monotonic()

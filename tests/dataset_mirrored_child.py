@@ -18,7 +18,7 @@ tf.config.set_logical_device_configuration(CPU, [tf.config.LogicalDeviceConfigur
 
 import keras  # noqa: E402 - after the device configuration
 from stagefeed.common.schema import ArraySpec, Schema  # noqa: E402
-from stagefeed.consumer.feed import Feed  # noqa: E402
+from stagefeed.consumer.tf2.feed import Feed  # noqa: E402
 
 from examples import custom_loop  # noqa: E402
 from examples.filler import ThreadFiller  # noqa: E402

@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from stagefeed.common.ledger import Books, ProducerTotals, Totals
-from stagefeed.consumer.figures import (
+from stagefeed.consumer.observe.figures import (
     Figures,
     RunFacts,
     Snapshot,

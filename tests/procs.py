@@ -44,7 +44,7 @@ def trainer_budget_mib(producers: int, max_message_mb: float = 0.0) -> float:
 
 def batch_threads(options: TrainerOptions) -> int:
     """Threads of a trainer that allocate batch-sized buffers: libzmq's I/O threads, which
-    allocate every frame received (``min(4, recv_threads)`` of them: consumer/intake.py,
+    allocate every frame received (``min(4, recv_threads)`` of them: consumer/intake/intake.py,
     ``Intake.start``), and the enqueue threads (``recv_threads``), in which TensorFlow copies
     unaligned frames."""
     return min(4, options.recv_threads) + options.recv_threads
@@ -54,7 +54,7 @@ def allocator_allowance_mib(producers: int, max_message_mb: float = 0.0) -> floa
     """What glibc's malloc may keep, freed, of batch buffers over and above the bytes the
     trainer holds: the margin of a check on its RSS, computed from its configuration.
 
-    The malloc policy (consumer/malloc_policy.py) turns trimming off, so what malloc frees it
+    The malloc policy (consumer/memory/malloc_policy.py) turns trimming off, so what malloc frees it
     keeps, and RSS stays at its high-water mark. A block freed goes back to the arena it came
     from, and an arena keeps at most the most bytes that were live in it at once (its
     fragmentation is not modelled). Each thread that allocates batch buffers

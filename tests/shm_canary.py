@@ -6,7 +6,8 @@
   written in ``CANARY_CHUNKS`` chunks with ``CANARY_FILL_DELAY_S`` between them, so a producer
   killed with -9 is most likely killed mid-write.
 - ``model_fn``: checks every staged batch against the seq TensorFlow queued with it
-  (``consumer.graph.STAGED_SEQ``): all pixels ``seq % 251`` and all tags ``seq``. The loss is
+  (``consumer.graph.feed_graph.STAGED_SEQ``): all pixels ``seq % 251`` and all tags ``seq``. The
+  loss is
   the running count of corrupted batches, so the summary's ``loss_last`` is the total.
   ``consistent_fn`` checks a batch against its own tag (for runs that lose batches).
 
@@ -60,7 +61,7 @@ def source(schema: Schema, worker) -> _Canary:
 def model_fn(staged, schema):
     """(running count of corrupted batches, its update): every batch checked against its seq."""
     import tensorflow as tf
-    from stagefeed.consumer.graph import STAGED_SEQ
+    from stagefeed.consumer.graph.feed_graph import STAGED_SEQ
 
     v1 = tf.compat.v1
     (seq,) = v1.get_collection(STAGED_SEQ)
@@ -97,7 +98,7 @@ def consistent_fn(staged, schema):
 
 
 def _release_early() -> None:
-    from stagefeed.common.shm_view import MappedPool, parse_descriptor
+    from stagefeed.common.shm.mapped import MappedPool, parse_descriptor
 
     view = MappedPool.view
 
@@ -124,8 +125,8 @@ def _producer(connect: str, max_batches: int) -> int:
     from stagefeed.common.errors import ClosedError
     from stagefeed.common.logs import setup_logging
     from stagefeed.common.options import ProducerOptions
-    from stagefeed.common.shm_layout import COMMITTED
-    from stagefeed.common.shm_pool import SlotPool
+    from stagefeed.common.shm.layout import COMMITTED
+    from stagefeed.common.shm.slots import SlotPool
     from stagefeed.producer.worker import produce, worker_info
 
     setup_logging(20)

@@ -77,7 +77,7 @@ def test_trivial_model_gets_the_batch_uncast_and_the_wire_is_unchanged():
     """A cast in the schema would convert every whole uint8 batch before the trivial model
     reads one pixel; the delivery schema drops it and moves the same bytes and messages."""
     from stagefeed.bench.ingest import delivery_schema, trivial_model_fn
-    from stagefeed.consumer.graph import build
+    from stagefeed.consumer.graph.feed_graph import build
 
     schema = delivery_schema(TINY_SCHEMA)
     assert schema["images"].cast is None and schema["images"].scale is None

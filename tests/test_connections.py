@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from stagefeed.consumer.connections import Connection, Connections
+from stagefeed.consumer.intake.connections import Connection, Connections
 
 # A time-out no test machine stalls through: for "not yet" checks, which must not depend on
 # the machine not pausing for a few milliseconds.

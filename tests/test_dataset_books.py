@@ -9,10 +9,10 @@ import time
 import numpy as np
 import tensorflow as tf
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer import dataset as pipeline
-from stagefeed.consumer.eager_queue import EagerQueueFeed
-from stagefeed.consumer.feed import Feed
-from stagefeed.consumer.step_books import DequeueLog, StepBooks
+from stagefeed.consumer.tf2 import pipeline
+from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
+from stagefeed.consumer.tf2.feed import Feed
+from stagefeed.consumer.tf2.step_books import DequeueLog, StepBooks
 
 from examples.filler import ThreadFiller
 from tests.conftest import wait_for

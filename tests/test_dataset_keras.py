@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer.feed import Feed
+from stagefeed.consumer.tf2.feed import Feed
 
 from examples.filler import ThreadFiller
 

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer.feed import Feed
+from stagefeed.consumer.tf2.feed import Feed
 
 SCHEMA = Schema(
     (

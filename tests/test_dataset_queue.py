@@ -10,7 +10,7 @@ import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema, SchemaMismatch, image_schema
 from stagefeed.consumer.devices import training_device
-from stagefeed.consumer.eager_queue import EagerQueueFeed
+from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
 
 SCHEMA = Schema(
     (

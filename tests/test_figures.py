@@ -12,7 +12,7 @@ import pytest
 from stagefeed.common.errors import DropReason
 from stagefeed.common.ledger import Books, Ledger, ProducerTotals, Totals
 from stagefeed.common.schema import image_schema
-from stagefeed.consumer.figures import (
+from stagefeed.consumer.observe.figures import (
     RunFacts,
     RunReader,
     Snapshot,
@@ -22,7 +22,7 @@ from stagefeed.consumer.figures import (
     figures_between,
     take_snapshot,
 )
-from stagefeed.consumer.train_steps import StepRecord
+from stagefeed.consumer.trainer_base import StepRecord
 
 SPEC = image_schema(batch_size=2)
 FACTS = RunFacts("/cpu:0", 2, SPEC.batch_bytes, "float32", queue_capacity=10)

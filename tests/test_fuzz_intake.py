@@ -1,6 +1,6 @@
 """Fuzzing the trainer's intake in-process: Hypothesis frame lists over a real loopback ROUTER.
 
-``consumer.intake.Intake`` runs with its real sockets and threads, its shared-memory gate
+``consumer.intake.intake.Intake`` runs with its real sockets and threads, its shared-memory gate
 (``--transport shm``, so ``shm_batch`` descriptors are parsed) and a recording enqueue
 callable (a real collaborator: it keeps what the intake hands over). Each example sends one
 generated multipart message from a DEALER: the connection that said hello at the start, or a
@@ -26,7 +26,7 @@ from stagefeed.common.errors import ProtocolError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, ArraySpec, Schema
-from stagefeed.consumer.intake import Intake
+from stagefeed.consumer.intake.intake import Intake
 
 from tests.fuzz_shm_strategies import end_headers, shm_batch_headers
 from tests.fuzz_strategies import header_bytes, schema_dicts, trainer_recursion_limit

@@ -34,8 +34,8 @@ from stagefeed.common.schema import (
     ArraySpec,
     Schema,
 )
-from stagefeed.common.shm_layout import PoolAnnounce
-from stagefeed.common.shm_view import DESCRIPTOR_KEYS, parse_descriptor
+from stagefeed.common.shm.layout import PoolAnnounce
+from stagefeed.common.shm.mapped import DESCRIPTOR_KEYS, parse_descriptor
 
 from tests.fuzz_shm_strategies import (
     announces,
@@ -287,7 +287,7 @@ def test_a_pool_announce_raises_only_protocol_error(announce):
 
 @given(announce=announces)
 def test_a_received_pool_announce_raises_only_protocol_error(announce):
-    """The same through msgpack, as ``common.fd_passing`` reads the announce off its socket
+    """The same through msgpack, as ``common.shm.fd_passing`` reads the announce off its socket
     (values nested past the packer's limit written as raw bytes)."""
     raw = packed_with_deep(announce)
     assume(len(raw) <= 64 * 1024)  # the fd channel's message limit

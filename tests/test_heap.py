@@ -1,4 +1,4 @@
-"""consumer.heap: malloc's bytes in use and freed-but-kept, which tell what the trainer holds
+"""consumer.memory.heap: malloc's bytes in use and freed-but-kept, which tell what the trainer holds
 from what its allocator keeps (the fault tests bound them apart)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from stagefeed.consumer import heap
+from stagefeed.consumer.memory import heap
 
 from tests.conftest import cli_env
 
@@ -19,8 +19,8 @@ KEPT_PROBE = """
 import json, sys
 import numpy as np
 import psutil
-from stagefeed.consumer import heap
-from stagefeed.consumer.malloc_policy import keep_freed_memory
+from stagefeed.consumer.memory import heap
+from stagefeed.consumer.memory.malloc_policy import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 rss = lambda: psutil.Process().memory_info().rss

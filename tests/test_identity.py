@@ -1,6 +1,6 @@
 """Books belong to the connection: no name, header field or routing id reaches another's books.
 
-Most tests run the trainer's real intake (``consumer.intake.Intake``, its ROUTER on loopback,
+Most tests run the trainer's real intake (``consumer.intake.intake.Intake``, its ROUTER on loopback,
 its ``Ledger``) in-process with a recording enqueue callable (a real collaborator: it keeps
 what the intake hands over, with the connection index the intake chose), and real DEALER
 connections from ``tests.hostile.peers.Peer``. With CURVE keys (``stagefeed keygen``), a
@@ -19,7 +19,7 @@ from stagefeed.common import curve, protocol
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer.intake import Intake
+from stagefeed.consumer.intake.intake import Intake
 
 from stagefeed.keygen import write_keys
 from tests import procs

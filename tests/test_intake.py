@@ -18,8 +18,8 @@ from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer.frames import receive_message
-from stagefeed.consumer.intake import Intake
+from stagefeed.consumer.intake.frames import receive_message
+from stagefeed.consumer.intake.intake import Intake
 
 SCHEMA = Schema(
     (ArraySpec("x", "float32", (4,)), ArraySpec("y", "int64", (), bounds=(0, 10))), 2
@@ -288,7 +288,7 @@ def test_a_malformed_hello_is_refused_with_the_reason(intake, fields, reason, de
 def test_only_a_producer_that_delivered_can_end_the_data(intake, caplog):
     """``end`` from a connection that delivered nothing ends nothing; from a producer run that
     delivered (on this connection, or on an earlier one with the same session token) it does."""
-    caplog.set_level("INFO", logger="stagefeed.consumer.intake")
+    caplog.set_level("INFO", logger="stagefeed.consumer.intake.intake")
     idle = _peer(intake)
     _hello(idle, name="idle")
     idle.send(protocol.encode_control("end", seq=0))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer import models
+from stagefeed.consumer import model_ref
 
 from examples import keras_images
 from tests import regression_models
@@ -93,7 +93,7 @@ def test_a_keras_build_that_breaks_the_convention_is_refused_before_binding(buil
         bind="tcp://127.0.0.1:*", schema=regression_models.SCHEMA, model=build, queue_mb=1
     )
     with pytest.raises(ConfigError) as refused:
-        models.trainer(options).start()
+        model_ref.trainer(options).start()
     message = str(refused.value)
     assert message.startswith(f"--model {build!r}"), message
     assert named in message and "\n" not in message, message
@@ -105,7 +105,7 @@ def test_targets_must_match_the_outputs():
         model="tests.regression_models:build", queue_mb=1, targets=("targets", "features"),
     )  # fmt: skip
     with pytest.raises(ConfigError, match="cannot be both an input and a target"):
-        models.trainer(options).start()
+        model_ref.trainer(options).start()
 
 
 def test_a_bad_model_on_the_command_line_is_one_line_and_exit_2_before_any_producer():

@@ -13,7 +13,7 @@ from tests.conftest import REPO, cli_env, run_cli
 PROBE = """
 import resource, sys
 import numpy as np
-from stagefeed.consumer.malloc_policy import keep_freed_memory
+from stagefeed.consumer.memory.malloc_policy import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 for _ in range(2):  # warm up: the first batch always faults in
@@ -44,14 +44,14 @@ def test_kept_memory_avoids_page_faults_per_batch():
 
 # Bytes of blocks glibc mapped apart from its heaps (mallinfo2's hblkhd).
 MAPPED = """
-from stagefeed.consumer.heap import read as heap_read
+from stagefeed.consumer.memory.heap import read as heap_read
 mapped_apart = lambda: heap_read().mapped_apart
 """
 
 THREAD_PROBE = MAPPED + """
 import sys, threading
 import numpy as np
-from stagefeed.consumer.malloc_policy import keep_freed_memory
+from stagefeed.consumer.memory.malloc_policy import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 mapped = []
@@ -77,7 +77,7 @@ def test_kept_memory_holds_in_other_threads_for_blocks_over_64_mib():
 
 LATE_PROBE = """
 import logging, sys, threading
-from stagefeed.consumer.malloc_policy import keep_freed_memory
+from stagefeed.consumer.memory.malloc_policy import keep_freed_memory
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 allocated, stop = threading.Event(), threading.Event()
 def worker_main():

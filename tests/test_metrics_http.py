@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from stagefeed.common.errors import ConfigError, DropReason
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.schema import image_schema
-from stagefeed.consumer.figures import RunFacts, RunReader, StepCounters, take_snapshot
-from stagefeed.consumer.metrics_http import CLIENT_TIMEOUT_S, MAX_CLIENTS, MetricsServer
-from stagefeed.consumer.monitor import ObserveOptions
-from stagefeed.consumer.train_steps import StepRecord
+from stagefeed.consumer.observe.figures import RunFacts, RunReader, StepCounters, take_snapshot
+from stagefeed.consumer.observe.monitor import ObserveOptions
+from stagefeed.consumer.observe.prometheus import CLIENT_TIMEOUT_S, MAX_CLIENTS, MetricsServer
+from stagefeed.consumer.trainer_base import StepRecord
 
 from stagefeed.cli import build_parser
 from tests.conftest import TINY, cli_env, free_tcp_port, run_cli, wait_for

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
-from stagefeed.consumer import model
+from stagefeed.consumer.graph.feed_graph import alexnet
 
 v1 = tf.compat.v1
 
@@ -38,7 +38,7 @@ def test_variables_match_the_seed_model():
     with graph.as_default():
         images = v1.placeholder(tf.float32, [2, 227, 227, 3])
         labels = v1.placeholder(tf.int32, [2])
-        model.train_op(images, labels)
+        alexnet.train_op(images, labels)
         ours = [tuple(v.shape.as_list()) for v in v1.trainable_variables()]
     assert ours == _seed_reference_shapes()
     # 2x2x256 features after conv5: the seed pads nothing.
@@ -51,7 +51,7 @@ def test_the_loss_stays_finite_on_random_images_where_the_seed_diverged():
     with graph.as_default():
         images = v1.placeholder(tf.float32, [2, 227, 227, 3])
         labels = v1.placeholder(tf.int32, [2])
-        loss, step = model.train_op(images, labels)
+        loss, step = alexnet.train_op(images, labels)
         rng = np.random.default_rng(0)
         losses = []
         with v1.Session() as sess:
@@ -93,10 +93,10 @@ def test_alexnet_refuses_a_schema_it_cannot_train_naming_why(schema, named):
         ),
     }
     with pytest.raises(ConfigError, match=named):
-        model.check_schema(schemas[schema])
+        alexnet.check_schema(schemas[schema])
 
 
 def test_too_small_images_fail_naming_the_size():
-    assert model.feature_size(227) == 2 and model.feature_size(195) == 1
+    assert alexnet.feature_size(227) == 2 and alexnet.feature_size(195) == 1
     with pytest.raises(ConfigError, match="194x194"):
-        model.check_image_size(194, 194)
+        alexnet.check_image_size(194, 194)

@@ -16,11 +16,11 @@ from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import image_schema
-from stagefeed.consumer.figures import RunFacts, RunReader
-from stagefeed.consumer.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
-from stagefeed.consumer.summary import format_text, summarize
-from stagefeed.consumer.train_steps import StepRecord
-from stagefeed.consumer.trainer import Trainer
+from stagefeed.consumer.graph.trainer import Trainer
+from stagefeed.consumer.observe.figures import RunFacts, RunReader
+from stagefeed.consumer.observe.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
+from stagefeed.consumer.observe.summary import format_text, summarize
+from stagefeed.consumer.trainer_base import StepRecord
 
 from tests.figures_util import BATCH_BYTES, window
 

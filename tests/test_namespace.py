@@ -102,19 +102,19 @@ def test_every_package_folder_is_in_pyprojects_package_list():
 KERAS_RUN_MODULES = """
 import sys
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer import models
-from stagefeed.consumer.monitor import Monitor, ObserveOptions
-from stagefeed.consumer.summary import format_text, summarize
+from stagefeed.consumer import model_ref
+from stagefeed.consumer.observe.monitor import Monitor, ObserveOptions
+from stagefeed.consumer.observe.summary import format_text, summarize
 from tests.regression_models import SCHEMA
 
 options = TrainerOptions(
     bind="tcp://127.0.0.1:*", schema=SCHEMA, model="tests.regression_models:build"
 )
 monitor = Monitor(ObserveOptions())
-trainer = models.trainer(options, [monitor]).start()
+trainer = model_ref.trainer(options, [monitor]).start()
 trainer.close()
 format_text(summarize(trainer, None, 1.0, interrupted=True))
-graph_mode = ("stagefeed.consumer.graph", "stagefeed.consumer.trainer")
+graph_mode = ("stagefeed.consumer.graph.feed_graph", "stagefeed.consumer.graph.trainer")
 print(sorted(name for name in sys.modules if name.startswith(graph_mode)))
 """
 

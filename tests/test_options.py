@@ -78,7 +78,7 @@ def test_byte_budgets_derive_message_counts():
 # The modules that define option classes (frozen dataclasses named *Options or *Config): every
 # float field of every such class is covered, a new one automatically.
 OPTION_MODULES = (
-    "stagefeed.common.options", "stagefeed.consumer.monitor", "stagefeed.bench.config",
+    "stagefeed.common.options", "stagefeed.consumer.observe.monitor", "stagefeed.bench.config",
 )  # fmt: skip
 OPTION_SUFFIXES = ("Options", "Config")
 

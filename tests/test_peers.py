@@ -1,4 +1,5 @@
-"""``consumer.peers``: connection events of the trainer's bound socket, booked in the ledger."""
+"""``consumer.intake.socket_events``: connection events of the trainer's bound socket, booked
+in the ledger."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 import pytest
 import zmq
 from stagefeed.common.ledger import Ledger
-from stagefeed.consumer.peers import THREAD_NAME, PeerMonitor
+from stagefeed.consumer.intake.socket_events import THREAD_NAME, PeerMonitor
 
 from stagefeed.keygen import write_keys
 from tests.conftest import wait_for
@@ -105,7 +106,7 @@ def test_refusals_are_counted_each_and_logged_once(tmp_path, caplog):
     plain = [ctx.socket(zmq.PUSH) for _ in range(3)]
     failed = ("handshake_failed_protocol", "handshake_failed_no_detail")
     try:
-        with caplog.at_level(logging.WARNING, logger="stagefeed.consumer.peers"):
+        with caplog.at_level(logging.WARNING, logger="stagefeed.consumer.intake.socket_events"):
             for sock in plain:  # libzmq does not retry a refused handshake: three peers
                 sock.connect(f"tcp://127.0.0.1:{bound.port}")
 

@@ -9,7 +9,7 @@ import subprocess
 import threading
 
 import pytest
-from stagefeed.consumer.progress import CLEAR_LINE, TTY_INTERVAL_S, Progress, format_line
+from stagefeed.consumer.observe.progress import CLEAR_LINE, TTY_INTERVAL_S, Progress, format_line
 
 from tests.conftest import REPO, TINY, cli, cli_env
 from tests.figures_util import window

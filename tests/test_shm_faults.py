@@ -20,10 +20,10 @@ import time
 import numpy as np
 import pytest
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
-from stagefeed.common.fd_passing import FdChannel, FdListener, accept_pool, offer_pool
-from stagefeed.common.shm_layout import PoolAnnounce, SlotLayout
-from stagefeed.common.shm_pool import SlotPool, reserve
-from stagefeed.common.shm_view import MappedPool
+from stagefeed.common.shm.fd_passing import FdChannel, FdListener, accept_pool, offer_pool
+from stagefeed.common.shm.layout import PoolAnnounce, SlotLayout
+from stagefeed.common.shm.mapped import MappedPool
+from stagefeed.common.shm.slots import SlotPool, reserve
 
 from tests.conftest import REPO, cli_env
 

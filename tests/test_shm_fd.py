@@ -19,15 +19,15 @@ import msgpack
 import numpy as np
 import pytest
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
-from stagefeed.common.fd_passing import (
+from stagefeed.common.shm.fd_passing import (
     MAX_MESSAGE_BYTES,
     FdChannel,
     FdListener,
     accept_pool,
     offer_pool,
 )
-from stagefeed.common.shm_layout import SlotLayout
-from stagefeed.common.shm_pool import SlotPool
+from stagefeed.common.shm.layout import SlotLayout
+from stagefeed.common.shm.slots import SlotPool
 
 from tests.conftest import REPO, cli_env
 

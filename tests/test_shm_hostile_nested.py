@@ -18,8 +18,8 @@ import socket
 
 import msgpack
 import pytest
-from stagefeed.common.shm_layout import SlotLayout
-from stagefeed.common.shm_pool import SlotPool
+from stagefeed.common.shm.layout import SlotLayout
+from stagefeed.common.shm.slots import SlotPool
 
 from tests import test_shm_hostile
 from tests.shm_canary import SCHEMA

@@ -14,9 +14,9 @@ from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, DropR
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.common.shm_pool import pool_slots
-from stagefeed.consumer.shm_config import default_socket_path
-from stagefeed.consumer.shm_gate import ShmGate
+from stagefeed.common.shm.slots import pool_slots
+from stagefeed.consumer.intake.shm_config import default_socket_path
+from stagefeed.consumer.intake.shm_gate import ShmGate
 from stagefeed.producer.shm_lane import ShmLane, ShmOffer
 
 from tests.conftest import wait_for
@@ -60,7 +60,7 @@ def test_sizing_follows_the_queue_budget(gate):
 
 
 def test_a_pool_per_welcome_releases_routed_back_and_the_old_pool_retired(gate, caplog):
-    caplog.set_level(logging.INFO, logger="stagefeed.consumer.shm_gate")
+    caplog.set_level(logging.INFO, logger="stagefeed.consumer.intake.shm_gate")
     lane = ShmLane("shm", "tcp://trainer:1")
     try:
         lane.on_welcome(offer_of(gate), SCHEMA)

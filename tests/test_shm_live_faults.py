@@ -14,7 +14,7 @@ import signal
 
 import numpy as np
 import pytest
-from stagefeed.common.shm_layout import WRITING, SlotLayout, header_words
+from stagefeed.common.shm.layout import WRITING, SlotLayout, header_words
 
 from tests import procs, shm_procs
 from tests.conftest import cli_env, wait_for

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 from stagefeed.common.errors import ClosedError, ConfigError, DropReason, ProtocolError
-from stagefeed.common.shm_layout import (
+from stagefeed.common.shm.layout import (
     F_ADD_SEALS,
     F_GET_SEALS,
     F_SEAL_GROW,
@@ -27,8 +27,8 @@ from stagefeed.common.shm_layout import (
     PoolAnnounce,
     SlotLayout,
 )
-from stagefeed.common.shm_pool import SlotPool, reserve, slots_needed, slots_per_pool
-from stagefeed.common.shm_view import MappedPool, PoolTable
+from stagefeed.common.shm.mapped import MappedPool, PoolTable
+from stagefeed.common.shm.slots import SlotPool, reserve, slots_needed, slots_per_pool
 
 # Odd sizes on purpose: no array's size is a multiple of 64.
 ODD = SlotLayout.of(
@@ -420,8 +420,8 @@ def test_bench_shm_copy_runs_and_prints_every_row(capsys):
 
 def test_shm_modules_import_neither_tensorflow_nor_zmq():
     code = (
-        "import sys; import stagefeed.common.shm_pool, stagefeed.common.shm_view, "
-        "stagefeed.common.fd_passing; "
+        "import sys; import stagefeed.common.shm.slots, stagefeed.common.shm.mapped, "
+        "stagefeed.common.shm.fd_passing; "
         "print(sorted(m for m in ('tensorflow', 'zmq') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

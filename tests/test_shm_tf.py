@@ -16,9 +16,9 @@ import sys
 
 import numpy as np
 import pytest
-from stagefeed.common.shm_layout import SlotLayout
-from stagefeed.common.shm_pool import SlotPool
-from stagefeed.common.shm_view import MappedPool
+from stagefeed.common.shm.layout import SlotLayout
+from stagefeed.common.shm.mapped import MappedPool
+from stagefeed.common.shm.slots import SlotPool
 
 from tests.conftest import REPO, cli_env
 
@@ -114,7 +114,7 @@ def _child() -> None:
 
 @pytest.mark.slow
 def test_tf2_queue_copies_a_slot_so_it_is_released_as_soon_as_enqueue_returns():
-    """TF 2 mode (``consumer.eager_queue``) converts eagerly, which copies: shared memory
+    """TF 2 mode (``consumer.tf2.eager_queue``) converts eagerly, which copies: shared memory
     saves the wire there, not the trainer's copy, and the slot comes back at once."""
     done = subprocess.run(
         [sys.executable, "-m", "tests.test_shm_tf", "eager"],
@@ -129,7 +129,7 @@ def test_tf2_queue_copies_a_slot_so_it_is_released_as_soon_as_enqueue_returns():
 def _eager_child() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from stagefeed.common.schema import ArraySpec, Schema
-    from stagefeed.consumer.eager_queue import EagerQueueFeed
+    from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
 
     schema = Schema((ArraySpec("x", "float32", SHAPE[1:]),), batch_size=SHAPE[0])
     pool = SlotPool(SlotLayout.of(schema.wire()), 2)

@@ -13,16 +13,16 @@ import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.schema import image_schema
-from stagefeed.consumer.figures import (
+from stagefeed.consumer.observe.figures import (
     RunFacts,
     RunReader,
     StepCounters,
     figures_between,
     take_snapshot,
 )
-from stagefeed.consumer.monitor import Monitor, ObserveOptions
-from stagefeed.consumer.tensorboard import TensorBoardWriter
-from stagefeed.consumer.train_steps import StepRecord
+from stagefeed.consumer.observe.monitor import Monitor, ObserveOptions
+from stagefeed.consumer.observe.tensorboard import TensorBoardWriter
+from stagefeed.consumer.trainer_base import StepRecord
 
 from tests.conftest import TINY, run_cli
 

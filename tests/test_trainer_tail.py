@@ -12,7 +12,7 @@ import zmq
 from stagefeed.common import protocol
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer.trainer import Trainer
+from stagefeed.consumer.graph.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 v1 = tf.compat.v1

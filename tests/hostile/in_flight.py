@@ -25,7 +25,7 @@ def stop_with_batch_in_flight() -> int:
     from stagefeed.common.ledger import Ledger
     from stagefeed.common.options import TrainerOptions
     from stagefeed.common.schema import ArraySpec
-    from stagefeed.consumer.intake import Intake
+    from stagefeed.consumer.intake.intake import Intake
 
     schema = Schema((ArraySpec("x", "float32", (3,)),), 2)
     entered = threading.Event()

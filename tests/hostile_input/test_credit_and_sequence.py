@@ -180,7 +180,7 @@ def test_idle_connections_cannot_hoard_the_credit_pool():
     from stagefeed.common.ledger import Ledger
     from stagefeed.common.options import TrainerOptions
     from stagefeed.common.schema import ArraySpec, Schema
-    from stagefeed.consumer.intake import Intake
+    from stagefeed.consumer.intake.intake import Intake
 
     schema = Schema((ArraySpec("x", "float32", (3,)),), 2)
     timeout_s = 2.0

@@ -160,7 +160,8 @@ def test_a_batch_in_flight_at_stop_does_not_hang_the_intake():
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="--max-message-mb becomes libzmq's ZMQ_MAXMSGSIZE (consumer/intake.py Intake.start), "
+    reason="--max-message-mb becomes libzmq's ZMQ_MAXMSGSIZE (consumer/intake/intake.py "
+    "Intake.start), "
     "a limit per *frame*: libzmq buffers a whole multipart message before the intake sees its "
     "first frame, so frames of 3 MiB - 16 B all sit in the trainer (here more of them than its "
     "whole RSS) before it drops them as parts; TrainerOptions says max_message_mb caps each "

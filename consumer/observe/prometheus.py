@@ -34,8 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import MetricsHandler
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
-from stagefeed.consumer import heap
-from stagefeed.consumer.figures import RunFacts, Snapshot
+from stagefeed.consumer.memory import heap
+from stagefeed.consumer.observe.figures import RunFacts, Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Where a trainer offers shared-memory pools, and how big each producer's pool is.
 
-No TensorFlow and no ZeroMQ here: the pool gate (``consumer.shm_gate``) and anything that
+No TensorFlow and no ZeroMQ here: the pool gate (``consumer.intake.shm_gate``) and anything that
 reports on it import this.
 """
 

@@ -1,11 +1,11 @@
 """What both trainer kinds share: step records, observers, the loss policy, run length.
 
-The graph-mode ``Trainer`` (``consumer.trainer``) and the Keras ``KerasTrainer``
-(``consumer.keras_trainer``) derive from ``TrainerBase``, so the summary, the monitor and the
+The graph-mode ``Trainer`` (``consumer.graph.trainer``) and the Keras ``KerasTrainer``
+(``consumer.keras_fit.trainer``) derive from ``TrainerBase``, so the summary, the monitor and the
 exporters read the same attributes from either: ``options``, ``schema``, ``ledger``,
 ``steps_done``, ``loss_first``, ``loss_last``, ``loss_finite``, ``data_ended``, ``device``,
 ``endpoint``, ``transport``, ``shm_stats()`` and ``queue_batches``. Observers are given only
-``facts`` and ``reader`` (``consumer.figures``), which exist from construction on.
+``facts`` and ``reader`` (``consumer.observe.figures``), which exist from construction on.
 
 Every step goes through ``book_step`` on the training thread: the observers see the record
 (none is kept here), and then the loss policy applies. A NaN or infinite loss with
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from stagefeed.common.errors import NonFiniteLoss
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer.figures import RunFacts, RunReader
+from stagefeed.consumer.observe.figures import RunFacts, RunReader
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class TrainerBase:
         return scheme if shm is None else f"shm+{scheme}"
 
     def shm_stats(self) -> dict[str, Any] | None:
-        """The pools' socket, sizing and counts (``consumer.shm_gate``); None without shm."""
+        """The pools' socket, sizing and counts (``consumer.intake.shm_gate``); None without shm."""
         shm = self._intake.shm if self._intake is not None else None
         return None if shm is None else shm.stats()
 

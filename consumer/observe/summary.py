@@ -13,12 +13,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.options import MIB
-from stagefeed.consumer import heap
+from stagefeed.consumer.memory import heap
 
 if TYPE_CHECKING:  # types only: a Keras run must not import graph mode (or TensorFlow's
     # private StagingArea) to print its summary
-    from stagefeed.consumer.monitor import FinalFigures
-    from stagefeed.consumer.train_steps import TrainerBase
+    from stagefeed.consumer.observe.monitor import FinalFigures
+    from stagefeed.consumer.trainer_base import TrainerBase
 
 
 def summarize(
@@ -79,7 +79,7 @@ def summarize(
 
 def _memory(trainer: TrainerBase) -> dict[str, Any]:
     """The process's peak RSS against the bound on batch bytes held, and what malloc holds in
-    use and keeps freed (``consumer.heap`` says how far the freed figure is resident)."""
+    use and keeps freed (``consumer.memory.heap`` says how far the freed figure is resident)."""
     # Every producer the trainer saw counts, as if all were still connected.
     producers = trainer.ledger.producer_count()
     held = heap.read()

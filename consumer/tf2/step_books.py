@@ -33,7 +33,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import tensorflow as tf
 from stagefeed.consumer.devices import HOST
-from stagefeed.consumer.eager_queue import EagerQueueFeed
+from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
 
 log = logging.getLogger(__name__)
 

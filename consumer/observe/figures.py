@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from stagefeed.common.ledger import Books
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.train_steps import StepRecord
+    from stagefeed.consumer.trainer_base import StepRecord
 
 
 @dataclasses.dataclass(frozen=True)

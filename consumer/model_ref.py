@@ -6,12 +6,13 @@ Two kinds of model, told apart by the function's parameters:
   schema's arrays as staged on the training device (cast and scaled as the schema declares);
   it builds its variables and returns the loss tensor and the train op. The seed's AlexNet is
   one (``alexnet``, the default). The staged batch's sequence number and connection index
-  are in the graph collections ``consumer.graph.STAGED_SEQ`` / ``STAGED_PEER``.
+  are in the graph collections ``consumer.graph.feed_graph.STAGED_SEQ`` / ``STAGED_PEER``.
 - a Keras ``build(schema) -> keras.Model``, compiled: trained with ``model.fit`` on the feed's
   ``tf.data.Dataset``.
 
 Any failure (cannot import, not callable, wrong parameters, the model refuses the schema, an
-exception while building, a Keras model that does not fit the schema: ``consumer.keras_model``)
+exception while building, a Keras model that does not fit the schema:
+``consumer.keras_fit.model_check``)
 is a ``ConfigError`` naming the model, raised before any producer is started. ``trainer()``
 makes the trainer of either kind; only the Keras kind imports Keras.
 """
@@ -28,9 +29,9 @@ from stagefeed.common.schema import import_ref
 
 if TYPE_CHECKING:
     from stagefeed.common.options import TrainerOptions
-    from stagefeed.consumer.keras_trainer import KerasTrainer
-    from stagefeed.consumer.train_steps import StepObserver
-    from stagefeed.consumer.trainer import Trainer
+    from stagefeed.consumer.graph.trainer import Trainer
+    from stagefeed.consumer.keras_fit.trainer import KerasTrainer
+    from stagefeed.consumer.trainer_base import StepObserver
 
 DEFAULT_MODEL = "alexnet"
 GRAPH = "graph"
@@ -40,7 +41,7 @@ KERAS = "keras"
 def resolve(ref: str) -> tuple[str, Callable[..., Any]]:
     """(kind, callable) for ``--model``: ``alexnet`` or ``module:NAME``."""
     if ref == DEFAULT_MODEL:
-        from stagefeed.consumer.model import model_fn
+        from stagefeed.consumer.graph.alexnet import model_fn
 
         return GRAPH, model_fn
     value = import_ref(ref, "--model")
@@ -85,9 +86,9 @@ def trainer(
     Keras ``build``. ``ConfigError`` if the model cannot be resolved (see ``resolve``)."""
     kind, fn = resolve(options.model)
     if kind == KERAS:
-        from stagefeed.consumer.keras_trainer import KerasTrainer
+        from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 
         return KerasTrainer(options, observers, configure_server, build=fn)
-    from stagefeed.consumer.trainer import Trainer
+    from stagefeed.consumer.graph.trainer import Trainer
 
     return Trainer(options, observers, configure_server, model_fn=fn)

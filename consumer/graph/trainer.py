@@ -1,6 +1,6 @@
 """The graph-mode trainer: intake + feeding graph + the train loop that measures its own stalls.
 
-Step records and observers are ``consumer.train_steps``' (shared with the Keras trainer; public
+Step records and observers are ``consumer.trainer_base``' (shared with the Keras trainer; public
 as ``stagefeed.StepRecord`` and ``stagefeed.StepObserver``).
 """
 
@@ -15,14 +15,15 @@ from typing import Any
 import tensorflow as tf
 from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer import graph as feed_graph
-from stagefeed.consumer import malloc_policy, models
+from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints
 from stagefeed.consumer.devices import training_device
-from stagefeed.consumer.graph_saver import saver_format
-from stagefeed.consumer.intake import Intake
+from stagefeed.consumer.graph.feed_graph import feed_graph
+from stagefeed.consumer.graph.saver import saver_format
+from stagefeed.consumer.intake.intake import Intake
+from stagefeed.consumer.memory import malloc_policy
 from stagefeed.consumer.run_end import Ending, RunEnd
-from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase
+from stagefeed.consumer.trainer_base import StepObserver, StepRecord, TrainerBase
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1
@@ -65,10 +66,10 @@ class Trainer(TrainerBase):
             malloc_policy.keep_freed_memory(options.schema.largest_array_bytes)
         model_fn, ref = self.model_fn, options.model
         if model_fn is None:
-            kind, model_fn = models.resolve(ref)
-            if kind != models.GRAPH:
+            kind, model_fn = model_ref.resolve(ref)
+            if kind != model_ref.GRAPH:
                 raise ConfigError(f"--model {ref!r} builds a Keras model, not a graph model_fn")
-        self.feed = models.building(
+        self.feed = model_ref.building(
             ref, feed_graph.build, self.schema, options.queue_capacity, options.stage_depth,
             self.device, model_fn,
         )  # fmt: skip

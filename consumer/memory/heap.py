@@ -1,6 +1,6 @@
 """What glibc's malloc holds for the trainer: bytes in use and freed bytes it keeps for reuse.
 
-The malloc policy (``consumer.malloc_policy``) keeps freed batch buffers in the heap, so the
+The malloc policy (``consumer.memory.malloc_policy``) keeps freed batch buffers in the heap, so the
 trainer's RSS sits at its high-water mark and does not tell bytes held (which the byte budgets
 bound) from bytes freed and kept (which the allocator's history sets: arenas, fragmentation,
 bursts of small messages). These two figures tell them apart, in the metrics and in tests.

@@ -25,10 +25,10 @@ import numpy as np
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
-from stagefeed.consumer.figures import Figures, Snapshot
+from stagefeed.consumer.observe.figures import Figures, Snapshot
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.train_steps import StepRecord
+    from stagefeed.consumer.trainer_base import StepRecord
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

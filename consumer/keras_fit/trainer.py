@@ -1,9 +1,10 @@
 """The Keras trainer: ``--model pkg.mod:build`` trained with ``model.fit`` on a ``ServedFeed``.
 
-Same contract as the graph-mode ``Trainer`` (``consumer.train_steps.TrainerBase``): the
+Same contract as the graph-mode ``Trainer`` (``consumer.trainer_base.TrainerBase``): the
 launcher, the monitor and the summary cannot tell them apart.
 
-Lifecycle: ``start()`` builds and checks the model (``consumer.keras_model``: a bad one is a
+Lifecycle: ``start()`` builds and checks the model (``consumer.keras_fit.model_check``: a bad one
+is a
 ``ConfigError`` before the feed binds), then binds the ``ServedFeed`` -> ``train(stop)`` runs
 ``fit`` for ``options.total_steps`` steps (``epochs`` x ``steps_per_epoch``; 0: until
 stopped or the data ends) -> ``close()`` (idempotent: the feed stops granting credit, its
@@ -38,14 +39,14 @@ import keras
 from stagefeed.common.errors import ConfigError, NonFiniteLoss
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer import models
+from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.devices import training_device
-from stagefeed.consumer.keras_feed import FeedCallback
-from stagefeed.consumer.keras_model import check_model
+from stagefeed.consumer.keras_fit.callback import FeedCallback
+from stagefeed.consumer.keras_fit.model_check import check_model
 from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
-from stagefeed.consumer.served_feed import ServedFeed
-from stagefeed.consumer.train_steps import StepObserver, StepRecord, TrainerBase
+from stagefeed.consumer.tf2.served_feed import ServedFeed
+from stagefeed.consumer.trainer_base import StepObserver, StepRecord, TrainerBase
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,10 @@ class KerasTrainer(TrainerBase):
         options, ref = self.options, self.options.model
         build = self.build
         if build is None:
-            kind, build = models.resolve(ref)
-            if kind != models.KERAS:
+            kind, build = model_ref.resolve(ref)
+            if kind != model_ref.KERAS:
                 raise ConfigError(f"--model {ref!r} is a graph model_fn, not a Keras build")
-        model = models.building(ref, build, self.schema)
+        model = model_ref.building(ref, build, self.schema)
         plan = check_model(ref, model, self.schema, options.targets)
         self.model = model
         if options.save_dir is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from stagefeed.consumer.figures import Figures
+from stagefeed.consumer.observe.figures import Figures
 
 MIN_STEPS = 2
 INPUT_BOUND_STALL_PCT = 10.0

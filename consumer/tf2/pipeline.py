@@ -31,8 +31,8 @@ import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.cast import cast_arrays
-from stagefeed.consumer.eager_queue import EagerQueueFeed
-from stagefeed.consumer.step_books import DequeueLog
+from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
+from stagefeed.consumer.tf2.step_books import DequeueLog
 
 log = logging.getLogger(__name__)
 

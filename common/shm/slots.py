@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 from stagefeed.common.errors import ClosedError, ConfigError
-from stagefeed.common.shm_layout import (
+from stagefeed.common.shm.layout import (
     COMMITTED,
     F_ADD_SEALS,
     F_SEAL_GROW,

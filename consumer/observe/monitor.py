@@ -28,8 +28,8 @@ from stagefeed.common.endpoints import host_problem
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import check_number
 from stagefeed.common.stats import percentile
-from stagefeed.consumer.advice import DEFAULT_WIRE_MB_S, Advice, advise
-from stagefeed.consumer.figures import (
+from stagefeed.consumer.observe.advice import DEFAULT_WIRE_MB_S, Advice, advise
+from stagefeed.consumer.observe.figures import (
     Figures,
     RunFacts,
     RunReader,
@@ -39,10 +39,10 @@ from stagefeed.consumer.figures import (
     figures_between,
     take_snapshot,
 )
-from stagefeed.consumer.progress import Progress
+from stagefeed.consumer.observe.progress import Progress
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.train_steps import StepRecord
+    from stagefeed.consumer.trainer_base import StepRecord
 
 log = logging.getLogger("stagefeed.monitor")
 
@@ -128,7 +128,7 @@ class Monitor:
         opts = self.options
         if opts.metrics_port is not None:
             try:
-                from stagefeed.consumer.metrics_http import MetricsServer
+                from stagefeed.consumer.observe.prometheus import MetricsServer
             except ImportError as exc:
                 raise ConfigError(
                     f"--metrics-port needs prometheus-client ({exc}); "
@@ -142,7 +142,7 @@ class Monitor:
                 producer_labels=opts.metrics_producer_labels,
             ).start()
         if opts.logdir is not None:
-            from stagefeed.consumer.tensorboard import TensorBoardWriter
+            from stagefeed.consumer.observe.tensorboard import TensorBoardWriter
 
             self._tensorboard = TensorBoardWriter(
                 opts.logdir, self.snapshot, self.figures, opts.tensorboard_s

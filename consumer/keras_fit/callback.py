@@ -20,8 +20,8 @@ import keras
 from stagefeed.common.schema import ArraySpec
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.feed import Feed
-    from stagefeed.consumer.step_books import BooksFigures
+    from stagefeed.consumer.tf2.feed import Feed
+    from stagefeed.consumer.tf2.step_books import BooksFigures
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import math
 import sys
 from typing import TextIO
 
-from stagefeed.consumer.figures import Figures
+from stagefeed.consumer.observe.figures import Figures
 
 log = logging.getLogger("stagefeed.progress")
 

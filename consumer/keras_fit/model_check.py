@@ -9,7 +9,7 @@ The convention (docs/tf2.md, "The command line with a Keras model"):
   array's declared ``cast``/``scale`` runs: an input of the cast dtype (``cast or dtype``)
   gets the array cast and scaled by the feed, in tf.data on the host; an input of the wire
   dtype, when a cast is declared, gets the array as it travels and the model casts it on the
-  device (``consumer.keras_feed.cast_layer``, the first layer). One input: x is that tensor;
+  device (``consumer.keras_fit.callback.cast_layer``, the first layer). One input: x is that tensor;
   several: a dict by name.
 - **y, by flag or by elimination.** ``--targets a,b`` names the target arrays; by default
   they are every array of the schema that is not an input, in schema order. There must be

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
-from stagefeed.common.shm_layout import (
+from stagefeed.common.shm.layout import (
     COMMITTED,
     F_GET_SEALS,
     F_SEAL_GROW,

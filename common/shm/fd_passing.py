@@ -35,9 +35,9 @@ import msgpack
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.ipc_file import unlink_if_ours
-from stagefeed.common.shm_layout import PoolAnnounce
-from stagefeed.common.shm_pool import SlotPool
-from stagefeed.common.shm_view import MappedPool, ReleaseHook
+from stagefeed.common.shm.layout import PoolAnnounce
+from stagefeed.common.shm.mapped import MappedPool, ReleaseHook
+from stagefeed.common.shm.slots import SlotPool
 
 log = logging.getLogger(__name__)
 

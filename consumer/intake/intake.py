@@ -6,13 +6,13 @@
         stagefeed-enqueue-0..K-1 ─▶ enqueue(arrays, peer, seq) (FIFOQueue) ─▶ credit back
 
 With ``--transport shm|auto`` a ``shm_batch`` carries a slot descriptor instead of frames
-(``consumer.shm_gate``): the intake checks it, hands the enqueue threads read-only views of
+(``consumer.intake.shm_gate``): the intake checks it, hands the enqueue threads read-only views of
 the producer's slot exactly like decoded frames, and sends ``release`` to the owning
 connection once TensorFlow has dropped the last tensor using the slot (the gate's wake-up
 fd is in this thread's poll). Credit paces both kinds alike.
 
 The intake thread is the only user of the ROUTER socket. It reads each message frame by frame
-(``consumer.frames``), keeping at most ``1 + MAX_ARRAYS`` frames and ``max_message_bytes``;
+(``consumer.intake.frames``), keeping at most ``1 + MAX_ARRAYS`` frames and ``max_message_bytes``;
 anything beyond is drained, not kept, and dropped. It never blocks on anything but ``poll``: batches
 go to the hand-off, whose capacity is the credit pool, so a put cannot block (every batch in
 it holds a credit). Control messages are answered at once, also while the queue is full.
@@ -43,11 +43,11 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, Schema, schema_difference
-from stagefeed.consumer.availability import Availability
-from stagefeed.consumer.connections import Connections
-from stagefeed.consumer.frames import receive_message
-from stagefeed.consumer.peers import PeerMonitor
-from stagefeed.consumer.shm_gate import ShmGate
+from stagefeed.consumer.intake.availability import Availability
+from stagefeed.consumer.intake.connections import Connections
+from stagefeed.consumer.intake.frames import receive_message
+from stagefeed.consumer.intake.shm_gate import ShmGate
+from stagefeed.consumer.intake.socket_events import PeerMonitor
 
 log = logging.getLogger(__name__)
 

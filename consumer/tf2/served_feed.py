@@ -8,10 +8,10 @@ The five lines of a Keras user::
                   callbacks=[feed.callback()])
         print(feed.ledger.summary())                     # every batch: trained, queued, dropped
 
-The intake (``consumer.intake``) binds, speaks the protocol, checks every batch against the
+The intake (``consumer.intake.intake``) binds, speaks the protocol, checks every batch against the
 schema and enqueues into the feed's queue (capacity from ``options.queue_mb``); the feed's
 books report each step's batches to the same ``Ledger``. As the graph trainer does, a feed whose
-``options.keep_freed_memory`` is set (the default) applies ``consumer.malloc_policy`` to the
+``options.keep_freed_memory`` is set (the default) applies ``consumer.memory.malloc_policy`` to the
 process: freed batch-sized buffers (received frames, the queue's copies, the batches the
 pipeline hands the step) are reused instead of unmapped and faulted in again, which measured
 13-15% of a Keras AlexNet step on 2 cores (docs/benchmarks.md). Lifecycle: construct (binds) ->
@@ -26,9 +26,9 @@ from typing import Any
 
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer import malloc_policy
-from stagefeed.consumer.feed import Feed
-from stagefeed.consumer.intake import Intake
+from stagefeed.consumer.intake.intake import Intake
+from stagefeed.consumer.memory import malloc_policy
+from stagefeed.consumer.tf2.feed import Feed
 
 
 class ServedFeed(Feed):

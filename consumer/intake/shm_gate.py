@@ -45,14 +45,14 @@ from typing import Any
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
-from stagefeed.common.fd_passing import FdChannel, FdListener, accept_pool
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import Schema
-from stagefeed.common.shm_layout import PoolAnnounce, SlotLayout
-from stagefeed.common.shm_pool import pool_slots
-from stagefeed.common.shm_view import MappedPool, PoolTable, parse_descriptor
-from stagefeed.consumer.shm_config import MIB, PoolSizing, default_socket_path
+from stagefeed.common.shm.fd_passing import FdChannel, FdListener, accept_pool
+from stagefeed.common.shm.layout import PoolAnnounce, SlotLayout
+from stagefeed.common.shm.mapped import MappedPool, PoolTable, parse_descriptor
+from stagefeed.common.shm.slots import pool_slots
+from stagefeed.consumer.intake.shm_config import MIB, PoolSizing, default_socket_path
 
 log = logging.getLogger(__name__)
 

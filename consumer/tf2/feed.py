@@ -23,11 +23,11 @@ import numpy as np
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
-from stagefeed.consumer import dataset as pipeline
 from stagefeed.consumer.cast import cast_arrays
-from stagefeed.consumer.eager_queue import EagerQueueFeed
-from stagefeed.consumer.keras_feed import FeedCallback, cast_layer
-from stagefeed.consumer.step_books import BooksFigures, BooksSink, DequeueLog, StepBooks
+from stagefeed.consumer.keras_fit.callback import FeedCallback, cast_layer
+from stagefeed.consumer.tf2 import pipeline
+from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
+from stagefeed.consumer.tf2.step_books import BooksFigures, BooksSink, DequeueLog, StepBooks
 
 # Room in the dequeue log beyond the queue: buffers hold at most a few batches per replica.
 LOG_HEADROOM = 4096
