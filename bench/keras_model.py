@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import keras
 from stagefeed.common.schema import Schema
-from stagefeed.consumer.graph.feed_graph import alexnet as graph_model
+from stagefeed.consumer.graph import alexnet as graph_model
 from stagefeed.consumer.keras_fit.callback import cast_layer
 
 LEARNING_RATE = graph_model.LEARNING_RATE

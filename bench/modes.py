@@ -22,7 +22,7 @@ from stagefeed.bench.config import StepsConfig
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.devices import is_gpu
-from stagefeed.consumer.graph.feed_graph import alexnet
+from stagefeed.consumer.graph import alexnet
 
 v1 = tf.compat.v1
 

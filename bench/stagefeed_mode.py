@@ -20,7 +20,7 @@ from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.feed_path import Loopback
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import join_threads
-from stagefeed.consumer.graph.feed_graph import alexnet
+from stagefeed.consumer.graph import alexnet
 from stagefeed.consumer.graph.trainer import Trainer
 from stagefeed.consumer.trainer_base import StepRecord
 from stagefeed.producer.pool import pool_check

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 from stagefeed.common.schema import image_schema
+from stagefeed.consumer.graph import feed_graph
 from stagefeed.consumer.graph.alexnet import model_fn
-from stagefeed.consumer.graph.feed_graph import feed_graph
 
 v1 = tf.compat.v1
 SPEC = image_schema(batch_size=2)

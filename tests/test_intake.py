@@ -92,6 +92,17 @@ def _hello(sock, name="p-1", schema=None) -> dict:
     return _reply(sock)
 
 
+def _holds_within(predicate, seconds: float) -> bool:
+    """Whether ``predicate`` holds at some poll within ``seconds`` (a negative check's window,
+    taken only once a positive condition showed the input under test was processed)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
 def _wait(predicate, what: str, timeout_s: float = 10.0) -> None:
     """Poll until ``predicate`` holds; fail saying ``what`` was awaited if it does not."""
     deadline = time.monotonic() + timeout_s
@@ -260,7 +271,7 @@ def test_a_defect_in_a_check_still_returns_the_credit_and_a_verdict(intake, monk
     assert intake.ledger.drops_by_reason() == {"internal": sent}
     monkeypatch.undo()
     sock.send_multipart(protocol.encode_batch(sent, GOOD))
-    assert _wait(lambda: intake.recorder.got == [(0, sent)])
+    _wait(lambda: intake.recorder.got == [(0, sent)], "the good batch after the defect enqueued")
     intake.check()
 
 
@@ -292,25 +303,26 @@ def test_only_a_producer_that_delivered_can_end_the_data(intake, caplog):
     idle = _peer(intake)
     _hello(idle, name="idle")
     idle.send(protocol.encode_control("end", seq=0))
-    assert _wait(lambda: intake.ledger.summary()["idle"]["ended_after"] == 0)
+    _wait(lambda: intake.ledger.summary()["idle"]["ended_after"] == 0, "idle's end booked")
     run = "ab" * 16
     first = _peer(intake)
     first.send(protocol.encode_control("hello", name="p", schema=None, session=run))
     assert _reply(first)["t"] == "welcome"
     first.send_multipart(protocol.encode_batch(0, GOOD))
-    assert _wait(lambda: intake.recorder.got == [(1, 0)])
+    _wait(lambda: intake.recorder.got == [(1, 0)], "p's batch enqueued")
     first.close(linger=0)  # cut: forgotten once silent for producer_timeout_s (5 s here)
     stranger = _peer(intake)
     stranger.send(protocol.encode_control("hello", name="p", schema=None, session="cd" * 16))
     assert _reply(stranger)["t"] == "welcome"
     stranger.send(protocol.encode_control("end", seq=1))  # claims p's end: delivered nothing
-    assert _wait(lambda: "producer p silent for 5 s: forgotten" in caplog.text, 15)
-    # Every live connection said end, none that delivered: the data must not end (given the
-    # intake's loop 2 s to conclude otherwise).
-    assert not _wait(intake.data_ended, 2.0)
+    _wait(lambda: "producer p silent for 5 s: forgotten" in caplog.text, "p forgotten", 15)
+    # Every live connection said end (the stranger's was sent before p's first connection was
+    # forgotten, 5 s of intake loops ago), none that delivered: the data must not end. The
+    # intake re-decides after every message and every poll: 2 s give it many chances to err.
+    assert not _holds_within(intake.data_ended, 2.0)
     again = _peer(intake)  # the run that delivered, on a new connection
     again.send(protocol.encode_control("hello", name="p", schema=None, session=run))
     assert _reply(again)["t"] == "welcome"
     assert not intake.data_ended()
     again.send(protocol.encode_control("end", seq=1))
-    assert _wait(intake.data_ended)
+    _wait(intake.data_ended, "the data to end once the run that delivered said end")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
-from stagefeed.consumer.graph.feed_graph import alexnet
+from stagefeed.consumer.graph import alexnet
 
 v1 = tf.compat.v1
 

@@ -114,7 +114,7 @@ monitor = Monitor(ObserveOptions())
 trainer = model_ref.trainer(options, [monitor]).start()
 trainer.close()
 format_text(summarize(trainer, None, 1.0, interrupted=True))
-graph_mode = ("stagefeed.consumer.graph.feed_graph", "stagefeed.consumer.graph.trainer")
+graph_mode = "stagefeed.consumer.graph"  # the package: the feeding graph, its trainer, AlexNet
 print(sorted(name for name in sys.modules if name.startswith(graph_mode)))
 """
 

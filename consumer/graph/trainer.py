@@ -18,7 +18,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints
 from stagefeed.consumer.devices import training_device
-from stagefeed.consumer.graph.feed_graph import feed_graph
+from stagefeed.consumer.graph import feed_graph
 from stagefeed.consumer.graph.saver import saver_format
 from stagefeed.consumer.intake.intake import Intake
 from stagefeed.consumer.memory import malloc_policy
