@@ -133,12 +133,6 @@ def _largest_images(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from stagefeed.consumer.quiet_tf import import_tensorflow
-
-    import_tensorflow()  # before bench.ingest imports it: its start-up lines filtered
-    from stagefeed.bench.ingest import run_ingest
-    from stagefeed.bench.table import ingest_table
-
     config = IngestConfig(
         dtypes=tuple(args.dtypes),
         producers=tuple(args.producers),
@@ -149,7 +143,13 @@ def _ingest(args: argparse.Namespace) -> int:
         gb=args.gb,
         repeats=args.repeats,
         device=args.device,
-    )
+    )  # a bad value is a ConfigError here, before TensorFlow loads
+    from stagefeed.consumer.quiet_tf import import_tensorflow
+
+    import_tensorflow()  # before bench.ingest imports it: its start-up lines filtered
+    from stagefeed.bench.ingest import run_ingest
+    from stagefeed.bench.table import ingest_table
+
     return _run_and_report(
         "ingest", lambda: run_ingest(config, logging.getLogger().level), ingest_table, args.json
     )
