@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -90,6 +91,12 @@ def _child() -> None:
     sum_first = float(session.run(consume))
     after_first = list(released)
     fetched = session.run(element)
+    # TensorFlow lets go of the dequeued tensor on one of its threads, after run() returned:
+    # wait for that (while ``fetched`` lives: were it an alias, the slot would stay held).
+    deadline = time.monotonic() + 30
+    while len(released) < 3 and time.monotonic() < deadline:
+        session.run(unrelated)
+        time.sleep(0.01)
     after_second = list(released)
     in_mapping = lo <= fetched.ctypes.data < lo + pool.size
     sum_control = float(session.run(consume))
