@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 
 from stagefeed.common.errors import DropReason
 from stagefeed.common.sequence import SequenceTracker
+from stagefeed.common.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,6 @@ MAX_REFUSED_NAMES = 256
 # A sequence number more than this far past a connection's highest, or below its first, is
 # refused and does not move its window (one connection delivers in order; this is forged).
 MAX_SEQ_AHEAD = 1 << 16
-# At most one log line per reason in this many seconds: a junk flood must not flood the log.
-DROP_LOG_INTERVAL_S = 5.0
 
 
 @dataclasses.dataclass
@@ -60,6 +59,17 @@ class ProducerStats:
     trained_sequence: SequenceTracker = dataclasses.field(default_factory=SequenceTracker)
     drops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
+    # The two derived figures, defined here only: the totals are their sums.
+    @property
+    def queued(self) -> int:
+        """Enqueued and neither trained nor abandoned: in the queue, staging or prefetch."""
+        return self.enqueued - self.trained - self.abandoned
+
+    @property
+    def not_enqueued(self) -> int:
+        """Received and not (yet) in the queue: in the intake's hands."""
+        return self.received - self.enqueued
+
 
 @dataclasses.dataclass(frozen=True)
 class Totals:
@@ -72,6 +82,8 @@ class Totals:
     dropped: int = 0
     seq_missing: int = 0  # sequence numbers never received, the holes between connections too
     abandoned: int = 0
+    queued: int = 0  # the entries' ``queued``, summed
+    not_enqueued: int = 0  # the entries' ``not_enqueued``, summed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +134,7 @@ class Ledger:
         self._next_index = 0
         self._unidentified: collections.Counter[str] = collections.Counter()
         self._refused: dict[str, collections.Counter[str]] = {}
-        self._last_drop_log: dict[str, float] = {}
+        self._log_throttle = LogThrottle()  # a junk flood must not flood the log
         self._peer_events: collections.Counter[str] = collections.Counter()
 
     def open(self, label: str, session: str | None = None) -> int | None:
@@ -190,10 +202,8 @@ class Ledger:
             key = name if name in self._refused or len(self._refused) < MAX_REFUSED_NAMES else "*"
             self._refused.setdefault(key, collections.Counter())[reason] += 1
             total = sum(c[reason] for c in self._refused.values())
-            now = time.monotonic()
-            if now - self._last_drop_log.get("refused:" + reason, -1e9) < DROP_LOG_INTERVAL_S:
-                return  # a flood of refused hellos must not flood the log
-            self._last_drop_log["refused:" + reason] = now
+            if not self._log_throttle.due("refused:" + reason):
+                return
         log.warning("refused producer %s (%s, %d so far): %s", name, reason, total, detail)
 
     def ended(self, index: int, count: int) -> None:
@@ -302,6 +312,8 @@ class Ledger:
             dropped=sum(sum(s.drops.values()) for s in entries) + sum(self._unidentified.values()),
             seq_missing=sum(s.sequence.missing for s in entries) + sum(gaps.values()),
             abandoned=sum(s.abandoned for s in entries),
+            queued=sum(s.queued for s in entries),
+            not_enqueued=sum(s.not_enqueued for s in entries),
         )
 
     def _drops_by_reason(self) -> dict[str, int]:
@@ -339,9 +351,9 @@ class Ledger:
                     "received": s.received,
                     "received_mb": round(s.received_bytes / 2**20, 3),
                     "trained": s.trained,
-                    "queued_at_stop": s.enqueued - s.trained - s.abandoned,
+                    "queued_at_stop": s.queued,
                     "abandoned": s.abandoned,
-                    "not_enqueued": s.received - s.enqueued,
+                    "not_enqueued": s.not_enqueued,
                     "dropped": dict(s.drops),
                     "ended_after": s.ended_after,
                     "seq_first": s.sequence.lowest,
@@ -360,10 +372,6 @@ class Ledger:
             return out
 
     def _log_drop(self, reason: DropReason, detail: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last_drop_log.get(reason.value, -1e9)
-            if now - last < DROP_LOG_INTERVAL_S:
-                return
-            self._last_drop_log[reason.value] = now
+        if not self._log_throttle.due(reason.value):
+            return
         log.warning("dropped message (%s): %s", reason.value, detail[:200])

@@ -24,7 +24,7 @@ later hello declares it, so a trainer that comes back with another schema refuse
 
 Errors: ``SchemaMismatch`` / ``ConfigError`` for a refusal that waiting cannot fix (exit 2),
 ``BrokenError`` for an unusable welcome (exit 3). Malformed messages and verdicts are logged at
-most once per reason per ``NOTICE_EVERY_S`` and otherwise ignored.
+most once per reason every few seconds (``common.throttle``) and otherwise ignored.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.schema import Schema, SchemaMismatch
+from stagefeed.common.throttle import LogThrottle
 from stagefeed.producer.handoff import Dropped, Welcome, Welcomed
 from stagefeed.producer.shm_lane import ShmOffer
 
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 
 UNREACHABLE_LOG_S = 2.0
 NO_WELCOME_LOG_S = 10.0
-NOTICE_EVERY_S = 5.0
 HELLO_RETRY_S = 5.0  # after a refused hello the trainer may accept later (peer_limit)
 MAX_CREDIT = 2**20
 _REASONS = frozenset(r.value for r in DropReason)
@@ -81,7 +81,7 @@ class Session:
         self.welcome: Welcome | None = None  # the first one
         self._max_unsent_of = max_unsent_of
         self._post = post
-        self._noticed: dict[str, float] = {}
+        self._notices = LogThrottle()
         self._drops: collections.Counter[str] = collections.Counter()
         self._unreachable_since = time.monotonic()
         self._said_unreachable = False
@@ -251,9 +251,7 @@ class Session:
 
     def notice(self, key: str, message: str) -> None:
         """Log ``message`` unless a line of the same ``key`` went out in the last 5 s."""
-        now = time.monotonic()
-        if now - self._noticed.get(key, -NOTICE_EVERY_S) >= NOTICE_EVERY_S:
-            self._noticed[key] = now
+        if self._notices.due(key):
             log.warning("%s", message)
 
 

@@ -81,6 +81,7 @@ def test_every_batch_sent_is_trained_or_queued(tmp_path, start_cli):
         "received": 16,
         "trained": 14,
         "queued_at_stop": 2,
+        "abandoned": 0,
         "not_enqueued": 0,
         "dropped": 0,
         "seq_missing": 0,

@@ -31,6 +31,38 @@ def test_accept_enqueue_train_accounting():
     assert ledger.totals().received_bytes == 300
 
 
+FIGURES = ("received", "trained", "queued_at_stop", "abandoned", "not_enqueued")
+
+
+def test_the_rows_add_up_to_the_totals_and_each_batch_is_in_one_figure():
+    """Trained, abandoned (a Keras iterator dropped them), queued, still in the intake, or
+    dropped: per connection and in total, by one definition (``ProducerStats``)."""
+    ledger = Ledger()
+    a, b = ledger.open("a"), ledger.open("b")
+    for seq in range(6):
+        assert ledger.accept(a, seq, 10) is None
+    for seq in range(4):
+        assert ledger.accept(b, seq, 10) is None
+    for index in [a] * 5 + [b] * 3:  # a's sixth and b's fourth still in the intake
+        ledger.enqueued(index)
+    ledger.trained([a, a, b], [0, 1, 0])
+    ledger.abandoned([a, b], [2, 1])
+    ledger.drop(DropReason.DUPLICATE, "again", a)
+    rows = ledger.summary()
+    totals = ledger.totals()
+    assert (rows["a"]["trained"], rows["a"]["abandoned"], rows["a"]["queued_at_stop"],
+            rows["a"]["not_enqueued"]) == (2, 1, 2, 1)  # fmt: skip
+    assert (totals.trained, totals.abandoned, totals.queued, totals.not_enqueued) == (3, 2, 3, 2)
+    summed = (totals.received, totals.trained, totals.queued, totals.abandoned,
+              totals.not_enqueued)  # fmt: skip
+    for figure, total in zip(FIGURES, summed, strict=True):
+        assert sum(row[figure] for row in rows.values()) == total, figure
+    for row in rows.values():
+        held = row["trained"] + row["abandoned"] + row["queued_at_stop"] + row["not_enqueued"]
+        assert held == row["received"]
+    assert totals.dropped == 1
+
+
 def test_duplicate_is_dropped_under_its_connection():
     ledger = Ledger()
     a = ledger.open("a")
@@ -194,7 +226,8 @@ def test_read_gives_every_counter_typed_and_keyed_like_the_summary():
     ledger.refused("r", "spec_mismatch", "images: ...")
     books = ledger.read()
     assert books.totals == Totals(
-        received=5, received_bytes=50, enqueued=2, trained=1, dropped=2, seq_missing=2
+        received=5, received_bytes=50, enqueued=2, trained=1, dropped=2, seq_missing=2,
+        queued=1, not_enqueued=3,
     )
     assert books.totals == ledger.totals()
     assert books.producers == {

@@ -43,6 +43,7 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, Schema, schema_difference
+from stagefeed.common.throttle import LogThrottle
 from stagefeed.consumer.intake.availability import Availability
 from stagefeed.consumer.intake.connections import Connections
 from stagefeed.consumer.intake.frames import receive_message
@@ -55,7 +56,6 @@ POLL_MS = 100
 JOIN_TIMEOUT_S = 3.0
 EXPIRE_EVERY_S = 1.0
 MAX_LIVE_CONNECTIONS = 256
-INTERNAL_LOG_INTERVAL_S = 5.0
 # (arrays, peer index, seq) -> False if the queue was closed for shutdown.
 Enqueue = Callable[[dict[str, Any], int, int], bool]
 
@@ -95,7 +95,7 @@ class Intake:
         self._threads: list[threading.Thread] = []
         self._ctx: zmq.Context | None = None
         self._credit_addr = f"inproc://stagefeed-credit-{id(self)}"
-        self._last_internal_log = -1e9
+        self._internal_log = LogThrottle()
         self._ipc_file: IpcFile | None = None
         self._delivered_and_ended = False  # a producer that delivered said end (see below)
         self._data_ended = threading.Event()
@@ -247,9 +247,7 @@ class Intake:
     def _log_internal(self) -> None:
         """Log the exception being handled, in full, at most every few seconds: ``internal``
         is a defect to fix, never a verdict a peer can make the trainer give at will."""
-        now = time.monotonic()
-        if now - self._last_internal_log >= INTERNAL_LOG_INTERVAL_S:
-            self._last_internal_log = now
+        if self._internal_log.due():
             log.exception("unexpected error while handling a message (dropped)")
 
     def _user_id(self, frame: zmq.Frame) -> str | None:

@@ -52,6 +52,7 @@ from stagefeed.common.shm.fd_passing import FdChannel, FdListener, accept_pool
 from stagefeed.common.shm.layout import PoolAnnounce, SlotLayout
 from stagefeed.common.shm.mapped import MappedPool, PoolTable, parse_descriptor
 from stagefeed.common.shm.slots import pool_slots
+from stagefeed.common.throttle import LogThrottle
 from stagefeed.consumer.intake.shm_config import MIB, PoolSizing, default_socket_path
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,6 @@ HANDSHAKE_S = 10.0  # a channel must present its token and offer within this
 MAX_POOLS = 64
 MAX_CHANNELS = 2 * MAX_POOLS
 JOIN_TIMEOUT_S = 3.0
-INTERNAL_LOG_INTERVAL_S = 5.0
 
 
 @dataclasses.dataclass
@@ -109,7 +109,7 @@ class ShmGate:
         self._peers: dict[int, _Peer] = {}
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._failure: Callable[[BaseException], None] = lambda exc: None
-        self._last_internal_log = -1e9
+        self._internal_log = LogThrottle()
         self.pools_accepted = 0
         self.batches = 0  # shm batches the intake accepted (its thread counts them)
         self._closed = False
@@ -305,9 +305,7 @@ class ShmGate:
             pass  # woken without a whole message
         except Exception:  # noqa: BLE001 - a defect; one peer's message must not end the thread
             self._ledger.drop(DropReason.INTERNAL, "fd socket: unexpected error", peer.index)
-            now = time.monotonic()
-            if now - self._last_internal_log >= INTERNAL_LOG_INTERVAL_S:
-                self._last_internal_log = now
+            if self._internal_log.due():
                 log.exception("unexpected error on the fd channel of pid %d (channel closed)",
                               peer.channel.peer.pid)  # fmt: skip
             self._drop_peer(poller, peer)

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import zmq
 import zmq.utils.monitor
 from stagefeed.common.ledger import Ledger
+from stagefeed.common.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
 THREAD_NAME = "stagefeed-peer-monitor"
-# At most one warning per kind of refusal in this many seconds.
-REFUSAL_LOG_INTERVAL_S = 5.0
 
 EVENT_NAMES = {
     zmq.EVENT_ACCEPTED: "accepted",
@@ -73,7 +71,7 @@ class PeerMonitor:
         self._ledger = ledger
         self._stop = stop
         self._on_failure = on_failure
-        self._last_refusal_log: dict[str, float] = {}
+        self._refusal_log = LogThrottle()  # one warning per kind of refusal a while
         self.thread = threading.Thread(target=self._run, name=THREAD_NAME)
 
     def _run(self) -> None:
@@ -102,10 +100,8 @@ class PeerMonitor:
         why = _REFUSALS.get(name)
         if why is None:
             return
-        now = time.monotonic()
-        if now - self._last_refusal_log.get(name, -1e9) < REFUSAL_LOG_INTERVAL_S:
+        if not self._refusal_log.due(name):
             return
-        self._last_refusal_log[name] = now
         log.warning(
             "refused a peer: %s (%s, %d so far)",
             why,

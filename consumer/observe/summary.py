@@ -58,8 +58,9 @@ def summarize(
         "batches": {
             "received": totals.received,
             "trained": totals.trained,
-            "queued_at_stop": totals.enqueued - totals.trained,
-            "not_enqueued": totals.received - totals.enqueued,
+            "queued_at_stop": totals.queued,
+            "abandoned": totals.abandoned,
+            "not_enqueued": totals.not_enqueued,
             "dropped": totals.dropped,
             "seq_missing": totals.seq_missing,
         },
@@ -148,7 +149,7 @@ def format_text(summary: dict[str, Any]) -> str:
         f"stall {s['stall_pct']}%",
         f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})",
         f"  batches received {b['received']}, trained {b['trained']}, "
-        f"queued at stop {b['queued_at_stop']}, in the intake at stop "
+        f"queued at stop {b['queued_at_stop']}, abandoned {b['abandoned']}, in the intake at stop "
         f"{b['not_enqueued']}, dropped {b['dropped']}, "
         f"missing (sequence gaps) {b['seq_missing']}",
     ]
@@ -167,7 +168,7 @@ def format_text(summary: dict[str, Any]) -> str:
         dropped = sum(p.get("dropped", {}).values())
         lines.append(
             f"    {name}: received {p.get('received', 0)}, trained {p.get('trained', 0)}, "
-            f"queued at stop {p.get('queued_at_stop', 0)}, "
+            f"queued at stop {p.get('queued_at_stop', 0)}, abandoned {p.get('abandoned', 0)}, "
             f"in the intake {p.get('not_enqueued', 0)}, dropped {dropped}"
             + (f" {p['dropped']}" if dropped else "")
             + (f", missing {p['seq_missing']}" if p.get("seq_missing") else "")
