@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import check_number
+from stagefeed.common.options import MIB, check_number
 from stagefeed.common.schema import Schema, image_schema
 
 # The graph family: compat.v1 sessions training ``consumer.graph.alexnet``'s AlexNet.
@@ -138,8 +138,8 @@ class StepsConfig:
         _subset("device", (self.device,), DEVICES)
         check_image_schema(self.schema)
         check_number("queue_mb", self.queue_mb)
-        if self.queue_mb * 2**20 < self.schema.batch_bytes:
-            batch_mib = self.schema.batch_bytes / 2**20
+        if self.queue_mb * MIB < self.schema.batch_bytes:
+            batch_mib = self.schema.batch_bytes / MIB
             raise ConfigError(f"queue_mb={self.queue_mb} holds no batch of {batch_mib:.1f} MiB")
 
     @property

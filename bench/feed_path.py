@@ -18,7 +18,7 @@ import tempfile
 
 from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
-from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.options import MIB, ProducerOptions, TrainerOptions
 from stagefeed.consumer.devices import is_gpu
 from stagefeed.producer.pool import ProducerPool
 
@@ -69,7 +69,7 @@ class Loopback:
             bind=self.bind,
             schema=schema,
             recv_threads=config.recv_threads,
-            queue_mb=config.queue_capacity * schema.batch_bytes / 2**20,
+            queue_mb=config.queue_capacity * schema.batch_bytes / MIB,
             stage_depth=stage_depth,
             device="gpu" if is_gpu(device) else "cpu",
             transport=self.trainer_transport,
@@ -85,7 +85,7 @@ class Loopback:
             connect=endpoint,
             workers=config.producers,
             schema=schema,
-            inflight_mb=PRODUCER_UNSENT_BATCHES * schema.batch_bytes / 2**20,
+            inflight_mb=PRODUCER_UNSENT_BATCHES * schema.batch_bytes / MIB,
             transport=self.trainer_transport,
         )
         self.pool = ProducerPool(options, logging.getLogger().level).start()

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from stagefeed.common.errors import DropReason
+from stagefeed.common.options import MIB
 from stagefeed.common.sequence import SequenceTracker
 from stagefeed.common.throttle import LogThrottle
 
@@ -349,7 +350,7 @@ class Ledger:
             for key, _, s in self._keyed():
                 out[key] = {
                     "received": s.received,
-                    "received_mb": round(s.received_bytes / 2**20, 3),
+                    "received_mb": round(s.received_bytes / MIB, 3),
                     "trained": s.trained,
                     "queued_at_stop": s.queued,
                     "abandoned": s.abandoned,

@@ -40,6 +40,22 @@ def _check_transport(value: str) -> None:
         raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
 
 
+MAX_STAGE_DEPTH = 16
+
+
+def check_stage_depth(stage_depth: object) -> None:
+    """``ConfigError`` unless ``stage_depth`` is an int (not a bool) in [1, 16]: batches staged
+    on the device ahead of the step, graph mode and the TF 2 feed alike."""
+    if (
+        isinstance(stage_depth, bool)
+        or not isinstance(stage_depth, int)
+        or not 1 <= stage_depth <= MAX_STAGE_DEPTH
+    ):
+        raise ConfigError(
+            f"stage_depth must be an integer in [1, {MAX_STAGE_DEPTH}], got {stage_depth!r:.40}"
+        )
+
+
 def check_number(
     field: str, value: float, *, zero_ok: bool = False, integer: bool = False
 ) -> None:
@@ -167,10 +183,7 @@ class TrainerOptions:
         check_number("queue_mb", self.queue_mb)
         check_number("max_message_mb", self.max_message_mb, zero_ok=True)
         check_number("wait_log_s", self.wait_log_s)
-        if not isinstance(self.stage_depth, int) or not 1 <= self.stage_depth <= 16:
-            raise ConfigError(
-                f"stage_depth must be an integer in [1, 16], got {self.stage_depth!r}"
-            )
+        check_stage_depth(self.stage_depth)
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not isinstance(self.schema, Schema):

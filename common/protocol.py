@@ -105,7 +105,9 @@ class Batch:
     nbytes: int
 
 
-def _refuse_ext(code: int, data: bytes) -> Any:
+def refuse_ext(code: int, data: bytes) -> Any:
+    """msgpack's ``ext_hook``: no extension type is accepted from a peer (msgpack-numpy's
+    included), so nothing received is ever turned into an object by type code."""
     raise ValueError(f"msgpack extension type {code} is not accepted")
 
 
@@ -162,7 +164,7 @@ def decode_header(raw: Any, kinds: frozenset[str]) -> dict[str, Any]:
             view,
             raw=False,
             strict_map_key=True,
-            ext_hook=_refuse_ext,
+            ext_hook=refuse_ext,
             use_list=True,
         )
     except Exception as exc:  # noqa: BLE001 - msgpack raises many types; none may escape

@@ -11,6 +11,7 @@ import logging
 import math
 
 import numpy as np
+from stagefeed.common.options import MIB
 from stagefeed.common.schema import Schema
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class BufferPool:
         self.slots = [allocate_batch(schema) for _ in range(size)]
         self._free = list(range(size - 1, -1, -1))  # a stack: take() pops slot 0 first
         log.debug(
-            "buffer pool: %d batches of %.1f MiB", size, schema.batch_bytes / 2**20
+            "buffer pool: %d batches of %.1f MiB", size, schema.batch_bytes / MIB
         )
 
     @property

@@ -26,7 +26,7 @@ from typing import Any
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
-from stagefeed.common.options import ProducerOptions
+from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.producer import shm_send
 from stagefeed.producer.channel import TrainerChannel
 from stagefeed.producer.process_pipes import FailureReports
@@ -144,7 +144,7 @@ def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
             name,
             options.connect,
             schema.describe(),
-            schema.batch_bytes / 2**20,
+            schema.batch_bytes / MIB,
             welcome.max_unsent,
             options.source,
         )

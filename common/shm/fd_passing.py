@@ -35,6 +35,7 @@ import msgpack
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.ipc_file import unlink_if_ours
+from stagefeed.common.protocol import refuse_ext
 from stagefeed.common.shm.layout import PoolAnnounce
 from stagefeed.common.shm.mapped import MappedPool, ReleaseHook
 from stagefeed.common.shm.slots import SlotPool
@@ -76,9 +77,6 @@ def _recv_fds(sock: socket.socket, bufsize: int, flags: int) -> tuple[bytes, lis
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     return data, list(fds), msg_flags
 
-
-def _refuse_ext(code: int, data: bytes) -> Any:
-    raise ValueError(f"msgpack extension type {code} is not accepted")
 
 
 def _private_dir(directory: str) -> bool:
@@ -188,7 +186,7 @@ class FdChannel:
             if flags & socket.MSG_CTRUNC or len(fds) > 1:
                 raise ProtocolError(DropReason.SHM_FD, "more than one fd in a message")
             try:
-                header = msgpack.unpackb(data, raw=False, ext_hook=_refuse_ext)
+                header = msgpack.unpackb(data, raw=False, ext_hook=refuse_ext)
             except (ValueError, TypeError, msgpack.UnpackException) as exc:
                 raise ProtocolError(DropReason.HEADER_NOT_MSGPACK, str(exc)) from exc
             if not isinstance(header, dict):

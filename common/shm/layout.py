@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from stagefeed.common.errors import ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
+from stagefeed.common.options import MIB
 
 F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
@@ -48,7 +49,6 @@ ALLOWED_DTYPES = frozenset(
 )
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # the schema's array names
 POOL_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
-MIB = 2**20
 
 
 def _align(n: int) -> int:

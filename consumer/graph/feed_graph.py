@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+from stagefeed.common.options import MIB
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.devices import is_gpu
@@ -135,7 +136,7 @@ def build(
         "graph on %s: FIFOQueue of %d batches (%.0f MiB), staging depth %d; %s",
         device,
         queue_capacity,
-        queue_capacity * schema.batch_bytes / 2**20,
+        queue_capacity * schema.batch_bytes / MIB,
         stage_depth,
         schema.describe(),
     )

@@ -41,7 +41,7 @@ from stagefeed.common.errors import BrokenError, ConfigError, DropReason, Protoc
 from stagefeed.common.ipc_file import IpcFile
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads
-from stagefeed.common.options import TrainerOptions
+from stagefeed.common.options import MIB, TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, Schema, schema_difference
 from stagefeed.common.throttle import LogThrottle
 from stagefeed.consumer.intake.availability import Availability
@@ -152,7 +152,7 @@ class Intake:
         log.info(
             "listening on %s: %s; %d enqueue threads, %d credits (%.1f MiB in flight at most)",
             self.endpoint, self.schema.describe(), self.options.recv_threads, self.credit_pool,
-            self.credit_pool * self.schema.batch_bytes / 2**20,
+            self.credit_pool * self.schema.batch_bytes / MIB,
         )  # fmt: skip
         return self
 
@@ -273,7 +273,9 @@ class Intake:
             if kind == "batch":  # the producer can count exactly what was lost
                 self._reply(router, routing_id, "dropped", seq=header["seq"],
                             reason=DropReason.NO_HELLO.value, detail=detail)  # fmt: skip
-            self._reply(router, routing_id, "refused", reason="no_hello", detail=detail)
+            self._reply(
+                router, routing_id, "refused", reason=DropReason.NO_HELLO.value, detail=detail
+            )
             raise ProtocolError(DropReason.NO_HELLO, f"{kind} before hello")
         self._conns.seen(conn)
         if kind == "batch":
@@ -299,7 +301,9 @@ class Intake:
         if declared is not None and declared != self.schema:
             detail = schema_difference(self.schema, declared)
             self._ledger.refused(name, DropReason.SPEC_MISMATCH.value, detail)
-            self._reply(router, routing_id, "refused", reason="spec_mismatch", detail=detail)
+            self._reply(
+                router, routing_id, "refused", reason=DropReason.SPEC_MISMATCH.value, detail=detail
+            )
             return
         conn = self._conns.get(routing_id)
         if conn is None:
@@ -309,7 +313,9 @@ class Intake:
             if index is None:
                 detail = f"the trainer serves {MAX_LIVE_CONNECTIONS} connections at most"
                 self._ledger.refused(name, DropReason.PEER_LIMIT.value, detail)
-                self._reply(router, routing_id, "refused", reason="peer_limit", detail=detail)
+                self._reply(
+                router, routing_id, "refused", reason=DropReason.PEER_LIMIT.value, detail=detail
+            )
                 return
             conn = self._conns.add(routing_id, index, name)
         self._conns.seen(conn)
@@ -399,7 +405,7 @@ class Intake:
         for conn in self._conns.revoke_hoarded():
             log.info("producer %s held credit unused for %.0f s while others waited: revoked",
                      conn.name, self._conns.timeout_s)  # fmt: skip
-            self._reply(router, conn.routing_id, "refused", reason="no_hello",
+            self._reply(router, conn.routing_id, "refused", reason=DropReason.NO_HELLO.value,
                         detail="credit unused while others waited: say hello again")  # fmt: skip
             self._ledger.forget_if_idle(conn.index)
         for conn in self._conns.expire():

@@ -11,7 +11,7 @@ import os
 import re
 import tempfile
 
-MIB = 2**20
+from stagefeed.common.options import MIB
 
 
 def default_socket_path(bind: str) -> str:

@@ -27,6 +27,8 @@ import ctypes.util
 import logging
 import threading
 
+from stagefeed.common.options import MIB
+
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
@@ -35,7 +37,7 @@ M_ARENA_MAX = -8
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int
 
 # glibc's HEAP_MAX_SIZE on 64-bit: a block larger than this never fits a thread arena's heap.
-THREAD_HEAP_BYTES = 64 * 2**20
+THREAD_HEAP_BYTES = 64 * MIB
 
 _lock = threading.Lock()
 _libc: ctypes.CDLL | None = None

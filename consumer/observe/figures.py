@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from stagefeed.common.ledger import Books
+from stagefeed.common.options import MIB
 
 if TYPE_CHECKING:
     from stagefeed.consumer.trainer_base import StepRecord
@@ -183,7 +184,7 @@ def figures_between(a: Snapshot, b: Snapshot, facts: RunFacts) -> Figures:
         steps=steps,
         last_step=b.steps.last_step,
         batch_size=facts.batch_size,
-        batch_mb=facts.batch_bytes / 2**20,
+        batch_mb=facts.batch_bytes / MIB,
         wire_dtype=facts.wire_dtype,
         stall_pct=100.0 * wait_s / busy if steps and busy > 0 else math.nan,
         ms_per_step=1000.0 * busy / steps if steps else math.nan,
@@ -192,7 +193,7 @@ def figures_between(a: Snapshot, b: Snapshot, facts: RunFacts) -> Figures:
         step_per_s=steps / seconds,
         consume_per_s=steps / step_s if steps and step_s > 0 else math.nan,
         deliver_per_s=(now.totals.received - was.totals.received) / seconds,
-        received_mb_per_s=(now.totals.received_bytes - was.totals.received_bytes) / 2**20 / seconds,
+        received_mb_per_s=(now.totals.received_bytes - was.totals.received_bytes) / MIB / seconds,
         queue_batches=b.queue_batches,
         queue_capacity=facts.queue_capacity,
         queue_mean_batches=(b.steps.queue_sum - a.steps.queue_sum) / steps if steps else math.nan,

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import MIB
 from stagefeed.common.schema import Schema, SchemaMismatch
 from stagefeed.consumer.devices import HOST, training_device
 from stagefeed.consumer.queue_element import queue_element
@@ -64,7 +65,7 @@ class EagerQueueFeed:
             HOST,
             capacity,
             schema.describe(),
-            capacity * schema.batch_bytes / 2**20,
+            capacity * schema.batch_bytes / MIB,
             self.device,
         )
 

@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import check_stage_depth
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.keras_fit.callback import FeedCallback, cast_layer
@@ -51,7 +52,7 @@ class Feed:
         device: str = "auto",
         sink: BooksSink | None = None,
     ) -> None:
-        pipeline.check_stage_depth(stage_depth)
+        check_stage_depth(stage_depth)
         self.queue = EagerQueueFeed(schema, capacity, device)
         self.schema = schema
         self.stage_depth = stage_depth

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import check_stage_depth
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
@@ -154,12 +155,6 @@ def build(
     )
     distributed = strategy.distribute_datasets_from_function(lambda _: ds, options=input_options)
     return distributed, replicas
-
-
-def check_stage_depth(stage_depth: int) -> None:
-    """``ConfigError`` unless ``stage_depth`` is a positive int (batches per replica)."""
-    if isinstance(stage_depth, bool) or not isinstance(stage_depth, int) or stage_depth < 1:
-        raise ConfigError(f"stage_depth must be a positive number of batches, got {stage_depth!r}")
 
 
 def _replicated(strategy: tf.distribute.Strategy | None) -> tf.distribute.Strategy | None:
