@@ -147,7 +147,8 @@ class TrainerOptions:
     credit_per_producer: int = 2  # batches one producer may have in flight towards us
     producer_timeout_s: float = 10.0  # a connection silent this long is forgotten
     transport: str = "zmq"  # "shm"/"auto": also map producers' pools (ZeroMQ batches still go)
-    shm_socket: str | None = None  # where pools are offered; None: see consumer/intake/shm_gate.py
+    # Where pools are offered; None: consumer/intake/shm_config.default_socket_path(bind).
+    shm_socket: str | None = None
     shm_producers: int = 1  # same-host producers the pools are sized for (docs/shm.md)
     # How long a run is: ``steps_per_epoch`` > 0 makes it ``epochs x steps_per_epoch`` steps,
     # warm-up included (``steps`` is then not used); else ``warmup_steps + steps`` in one epoch.

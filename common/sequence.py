@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 
-# Receive threads reorder one producer's messages by at most a few places (one per thread),
-# so remembering the last WINDOW numbers tells duplicates from late arrivals.
+# One connection delivers in order (one intake thread reads the socket); a producer that
+# reconnects may resend around a cut, and the trained side sees enqueue threads finish out of
+# order by a few places: remembering the last WINDOW numbers tells duplicates from late ones.
 WINDOW = 256
 
 

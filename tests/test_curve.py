@@ -123,7 +123,7 @@ def test_only_allowed_keys_get_a_message_through(keys):
     server_ctx, client_ctx = zmq.Context(), zmq.Context()
     server = curve.server_configurator(keys)
     pull = server_ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 1)  # what the receive pool sets
+    pull.setsockopt(zmq.RCVHWM, 1)  # as the trainer receives: one message at a time
     pull.setsockopt(zmq.LINGER, 0)
     sockets = []
     try:

@@ -17,7 +17,7 @@ from tests.conftest import wait_for
 
 
 class Bound:
-    """A bound PULL socket with its PeerMonitor running, like the receive pool's frontend."""
+    """A bound PULL socket with its PeerMonitor running, as the intake binds its ROUTER."""
 
     def __init__(self, configure=None) -> None:
         self.ctx = zmq.Context()
@@ -33,7 +33,7 @@ class Bound:
         self.monitor.thread.start()
 
     def close(self) -> None:
-        """As the receive pool does: stop, close the frontend, then the thread ends."""
+        """As the intake does: stop, close the socket, then the thread ends."""
         self.stop.set()
         self.sock.close(linger=0)
         self.monitor.thread.join(5)

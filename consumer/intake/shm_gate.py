@@ -46,6 +46,7 @@ from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.ledger import Ledger
+from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import Schema
 from stagefeed.common.shm.fd_passing import FdChannel, FdListener, accept_pool
@@ -413,9 +414,7 @@ class ShmGate:
         self._closed = True
         if self._thread.is_alive():
             os.write(self._stop_w, b"\0")
-            self._thread.join(JOIN_TIMEOUT_S)
-            if self._thread.is_alive():
-                log.error("%s did not stop within %.1f s", THREAD_NAME, JOIN_TIMEOUT_S)
+            join_threads([self._thread], JOIN_TIMEOUT_S)
         self.listener.close()
         self._table.close()
         with self._wake_lock:
