@@ -15,12 +15,10 @@ is type-checked, and errors never ``repr`` the input whole.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
 import re
-import sys
 import tomllib
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +26,7 @@ from typing import Any
 import numpy as np
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.excerpt import excerpt
+from stagefeed.common.refs import import_ref
 
 # Dtypes an array may have, by name. Object, void, structured and string dtypes are absent on
 # purpose: decoding them could execute or allocate arbitrarily. Little-endian on the wire.
@@ -384,23 +383,3 @@ def _load_file(path: str) -> Schema:
         kind = path.rsplit(".", 1)[-1]
         raise ConfigError(f"--schema {path!r} is not valid {kind}: {exc}") from None
     return Schema.from_dict(data, source=f"--schema {path!r}")
-
-
-def import_ref(ref: str, flag: str) -> Any:
-    """The object ``module:attr`` names, the current directory importable as with ``python -m``.
-
-    Any failure is a ``ConfigError`` naming ``flag`` and ``ref`` in one line.
-    """
-    module_name, _, attr = ref.partition(":")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - a user module may raise anything on import
-        raise ConfigError(
-            f"{flag} {ref!r} cannot be imported: {type(exc).__name__}: {exc}"
-        ) from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"{flag} {ref!r}: module {module_name!r} has no {attr!r}") from None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.excerpt import excerpt
-from stagefeed.common.schema import import_ref
+from stagefeed.common.refs import import_ref
 
 if TYPE_CHECKING:
     from stagefeed.common.options import TrainerOptions

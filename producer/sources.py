@@ -47,7 +47,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from stagefeed.common.errors import BrokenError, ConfigError
-from stagefeed.common.schema import Schema, check_arrays, import_ref
+from stagefeed.common.refs import import_ref
+from stagefeed.common.schema import Schema, check_arrays
 from stagefeed.producer.buffers import BufferPool
 from stagefeed.producer.synthetic import SyntheticSource
 
