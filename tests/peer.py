@@ -34,7 +34,12 @@ class Peer:
         )
         while True:
             reply = self.read()
-            if reply["t"] in ("welcome", "refused"):
+            if reply["t"] == "welcome":
+                # Credit counts from the welcome on: grants read before it were the previous
+                # connection's (still queued in this socket when a cut reconnected it).
+                self.credit = reply.get("credit", 0)
+                return reply
+            if reply["t"] == "refused":
                 return reply
 
     def read(self) -> dict:

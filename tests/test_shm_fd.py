@@ -119,7 +119,7 @@ def test_hostile_messages_are_refused_and_every_fd_they_carry_is_closed(listener
     with pytest.raises(BrokenError):
         server.recv(timeout=5)
     server.close()
-    assert open_fds() == before
+    assert open_fds() - before == set()  # nothing leaked (others may have closed fds)
 
 
 def test_recv_and_send_time_out_instead_of_hanging(listener):
@@ -277,7 +277,8 @@ def test_a_peer_with_another_uid_is_refused():
         acceptor.start()
         assert _connect_as(nobody, path) == 0  # closed unread
         acceptor.join(10)
-        assert done == [DropReason.SHM_FD] and open_fds() == before
+        assert done == [DropReason.SHM_FD]
+        assert open_fds() - before == set()  # nothing leaked (others may have closed fds)
         # Positive control: allowed explicitly, the same child is accepted with its uid.
         listening.allowed_uids = frozenset({os.geteuid(), nobody.pw_uid})
 
