@@ -538,3 +538,25 @@ def test_curve_keys_from_the_keygen_service_protect_the_run(start_cli, tmp_path)
     assert (summary["steps"], summary["interrupted"]) == (3, False)
     assert len(summary["producers"]) == 1
     stop_producers(producer_procs)
+
+
+def test_the_trainer_images_dependency_layer_stands_in_for_every_package_folder():
+    """Dockerfile.trainer installs the dependencies from pyproject.toml alone, with empty
+    folders standing in for the sources: a package folder missing there fails the build."""
+    import re
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    folders = set()
+    for package in setuptools["packages"]:
+        top, *rest = package.split(".", 2)[1:] or ["stagefeed"]
+        folders.add("/".join([setuptools["package-dir"][f"stagefeed.{top}"] if top != "stagefeed"
+                              else "stagefeed", *rest]))  # fmt: skip
+    with open(os.path.join(REPO, "docker", "Dockerfile.trainer")) as f:
+        text = f.read().replace("\\\n", " ")
+    made = set(re.search(r"mkdir -p ([^&]+)&&", text).group(1).split())
+    # a folder counts as made if it or one below it is named
+    covered = {folder for folder in folders if any(m == folder or m.startswith(folder + "/")
+                                                   for m in made)}  # fmt: skip
+    assert covered == folders, sorted(folders - covered)
