@@ -127,7 +127,7 @@ class TrainerOptions:
 
     With ``transport`` ``shm``/``auto`` the same counts hold, in batches, but what is queued,
     staged and in flight from same-host producers are views of their pools: each pool holds
-    ``shm_pool.pool_slots(queue_capacity, stage_depth, credit_per_producer, shm_producers)``
+    ``common.shm.sizing.pool_slots(queue_capacity, stage_depth, credit_per_producer, shm_producers)``
     slots (docs/shm.md "The transport as built").
     """
 
