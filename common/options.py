@@ -127,7 +127,7 @@ class TrainerOptions:
 
     With ``transport`` ``shm``/``auto`` the same counts hold, in batches, but what is queued,
     staged and in flight from same-host producers are views of their pools: each pool holds
-    ``common.shm.sizing.pool_slots(queue_capacity, stage_depth, credit_per_producer, shm_producers)``
+    ``common.shm.sizing.pool_slots(queue_capacity, stage_depth, credit, producers)``
     slots (docs/shm.md "The transport as built").
     """
 
@@ -266,3 +266,36 @@ class TrainerOptions:
         if self.max_message_mb:
             return int(self.max_message_mb * MIB)
         return self.schema.batch_bytes + MIB
+
+
+# What one producer-to-trainer link carries, MB/s, when nobody says (the advice's yardstick):
+# loopback ZeroMQ carried about 1.5 GB/s in one stream on the project's machines
+# (docs/observability.md); a real network link is set with --wire-mb-s.
+DEFAULT_WIRE_MB_S = 1400.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveOptions:
+    """What to show and export. A bad value raises ``ConfigError`` naming it."""
+
+    progress_s: float = 5.0  # seconds between progress log lines (terminal: 0.5 s)
+    logdir: str | None = None  # TensorBoard event files go here
+    metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
+    # Loopback unless told: producer ids and the trainer's figures are not for every network.
+    metrics_bind: str = "127.0.0.1"
+    metrics_producer_labels: bool = False  # per-producer series, labelled with producer ids
+    advice_s: float = 300.0  # seconds between advice lines during a run
+    wire_mb_s: float = DEFAULT_WIRE_MB_S  # what the producers' link carries (advice only)
+    tensorboard_s: float = 2.0  # seconds between TensorBoard flushes
+
+    def __post_init__(self) -> None:
+        for name in ("progress_s", "advice_s", "wire_mb_s", "tensorboard_s"):
+            check_number(name, getattr(self, name))
+        port = self.metrics_port
+        if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ConfigError(f"metrics_port must be in [0, 65535], got {port!r}")
+        if self.logdir is not None and not self.logdir.strip():
+            raise ConfigError(f"logdir must name a directory, got {self.logdir!r}")
+        why = endpoints.host_problem(self.metrics_bind, wildcard_ok=False)
+        if why:
+            raise ConfigError(f"metrics_bind {self.metrics_bind!r}: {why}")

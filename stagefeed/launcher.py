@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.errors import EXIT_NON_FINITE, BrokenError, ClosedError, NonFiniteLoss
 from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
-from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.options import ObserveOptions, ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
 from stagefeed.producer.pool import ProducerPool, pool_check
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.observe.monitor import FinalFigures, Monitor, ObserveOptions
+    from stagefeed.consumer.observe.monitor import FinalFigures, Monitor
     from stagefeed.consumer.trainer_base import TrainerBase
 
 log = logging.getLogger("stagefeed")
@@ -84,8 +84,6 @@ def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | Non
 
 def observe_options(args: argparse.Namespace) -> ObserveOptions:
     """Progress, advice, TensorBoard and Prometheus settings from the trainer flags."""
-    from stagefeed.consumer.observe.monitor import ObserveOptions
-
     return ObserveOptions(
         progress_s=args.progress_s,
         logdir=args.logdir,

@@ -103,7 +103,8 @@ KERAS_RUN_MODULES = """
 import sys
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import model_ref
-from stagefeed.consumer.observe.monitor import Monitor, ObserveOptions
+from stagefeed.common.options import ObserveOptions
+from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.summary import format_text, summarize
 from tests.regression_models import SCHEMA
 

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
+from stagefeed.common.options import ObserveOptions
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer.observe.figures import (
     RunFacts,
@@ -20,7 +21,7 @@ from stagefeed.consumer.observe.figures import (
     figures_between,
     take_snapshot,
 )
-from stagefeed.consumer.observe.monitor import Monitor, ObserveOptions
+from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.tensorboard import TensorBoardWriter
 from stagefeed.consumer.trainer_base import StepRecord
 
