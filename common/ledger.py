@@ -158,6 +158,11 @@ class Ledger:
         log.info("producer %s connected (index %d)", key, index)
         return index
 
+    def name(self, index: int) -> str:
+        """The books' name of entry ``index`` (its row in ``summary()``); KeyError if none."""
+        with self._lock:
+            return self._entries[index].key
+
     def forget_if_idle(self, index: int) -> bool:
         """Drop the entry of a connection that went away having delivered nothing."""
         with self._lock:

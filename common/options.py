@@ -22,6 +22,7 @@ DEVICES = ("auto", "cpu", "gpu")
 TRANSPORTS = ("zmq", "shm", "auto")
 UNIX_PATH_MAX = 107  # bytes of an AF_UNIX socket path (sun_path, less the terminating NUL)
 MIB = 2**20
+SHORT_BATCH = ("refuse", "drop")  # what a producer does with a source's short batch
 ON_NAN = ("stop", "warn")  # what a non-finite loss does: stop training (exit 4), or warn
 MAX_UNSENT = 64  # batches a producer holds at most, however small: credit bounds sends anyway
 
@@ -94,6 +95,9 @@ class ProducerOptions:
     seed: int = 0
     curve_keys: str | None = None  # directory written by ``stagefeed keygen``
     transport: str = "zmq"  # "shm": pool slots or fail; "auto": pool slots where they work
+    # A source's short batch (fewer rows than the batch size): "refuse" (ConfigError, exit 2)
+    # or "drop" (logged and counted), like tf.data's drop_remainder. Never padded.
+    short_batch: str = "refuse"
 
     def __post_init__(self) -> None:
         check_endpoint("connect", self.connect)
@@ -108,6 +112,10 @@ class ProducerOptions:
         check_number("seed", self.seed, zero_ok=True, integer=True)
         if self.source != "synthetic" and not re.fullmatch(r"[\w.]+:\w+", self.source):
             raise ConfigError(f"source must be 'synthetic' or module:function, got {self.source!r}")
+        if self.short_batch not in SHORT_BATCH:
+            raise ConfigError(
+                f"short_batch must be one of {', '.join(SHORT_BATCH)}, got {self.short_batch!r}"
+            )
 
     def max_unsent(self, schema: Schema) -> int:
         """Batches of ``schema`` a producer may have handed over and not yet seen released."""
@@ -157,6 +165,8 @@ class TrainerOptions:
     save_dir: str | None = None  # what was trained is saved here at the end (docs/tf2.md)
     checkpoint_every: int = 0  # steps between checkpoints under save_dir/checkpoints; 0: none
     on_nan: str = "stop"  # a non-finite loss: "stop" (NonFiniteLoss) or "warn" and go on
+    # A run whose data ends before ``total_steps`` exits EXIT_SHORT_RUN (5), not 0.
+    require_full_run: bool = False
     # Keras models: the arrays fit gets as targets (y); None: every array that is not an input.
     targets: tuple[str, ...] | None = None
 
@@ -201,6 +211,8 @@ class TrainerOptions:
         ):
             raise ConfigError(f"model must be 'alexnet' or module:NAME, got {self.model!r}")
         self._check_run_length()
+        if type(self.require_full_run) is not bool:
+            raise ConfigError(f"require_full_run must be a bool, got {self.require_full_run!r}")
         if self.on_nan not in ON_NAN:
             raise ConfigError(f"on_nan must be one of {', '.join(ON_NAN)}, got {self.on_nan!r}")
         if self.save_dir is not None and (not isinstance(self.save_dir, str) or not self.save_dir):

@@ -138,7 +138,9 @@ def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
     try:
         welcome = channel.open(stop)
         schema = welcome.schema
-        feed = open_feed(options.source, schema, worker, welcome.max_unsent + 1, factory)
+        feed = open_feed(
+            options.source, schema, worker, welcome.max_unsent + 1, factory, options.short_batch
+        )
         log.info(
             "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s",
             name,

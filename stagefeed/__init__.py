@@ -2,9 +2,9 @@
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
 this package without TensorFlow: the trainer-side names (``Feed``, ``ServedFeed``,
-``Trainer``, ``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and
-``keep_freed_memory``) are loaded on first use (PEP 562); all but the step records and
-``keep_freed_memory`` import TensorFlow.
+``BooksFigures``, ``TrainedStep``, ``Trainer``, ``KerasTrainer``, ``StepRecord``,
+``StepObserver``, ``cast_layer`` and ``keep_freed_memory``) are loaded on first use (PEP 562);
+all but ``StepRecord``, ``StepObserver`` and ``keep_freed_memory`` import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 ``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
@@ -39,19 +39,24 @@ __version__ = "0.2.0"
 
 # Trainer-side names: imported (with TensorFlow) only when first used.
 _LAZY = {
+    "BooksFigures": "stagefeed.consumer.tf2.step_books",
     "Feed": "stagefeed.consumer.tf2.feed",
     "KerasTrainer": "stagefeed.consumer.keras_fit.trainer",
     "ServedFeed": "stagefeed.consumer.tf2.served_feed",
     "StepObserver": "stagefeed.consumer.trainer_base",
     "StepRecord": "stagefeed.consumer.trainer_base",
     "Trainer": "stagefeed.consumer.graph.trainer",
+    "TrainedStep": "stagefeed.consumer.tf2.step_books",
     "cast_layer": "stagefeed.consumer.keras_fit.callback",
     "keep_freed_memory": "stagefeed.consumer.memory.malloc_policy",  # no TensorFlow
 }
-_WITH_TENSORFLOW = {"Feed", "KerasTrainer", "ServedFeed", "Trainer", "cast_layer"}
+_WITH_TENSORFLOW = {
+    "BooksFigures", "Feed", "KerasTrainer", "ServedFeed", "TrainedStep", "Trainer", "cast_layer",
+}  # fmt: skip
 
 __all__ = [
     "ArraySpec",
+    "BooksFigures",
     "BrokenError",
     "ClosedError",
     "ConfigError",
@@ -68,6 +73,7 @@ __all__ = [
     "StagefeedError",
     "StepObserver",
     "StepRecord",
+    "TrainedStep",
     "Trainer",
     "TrainerOptions",
     "__version__",

@@ -18,7 +18,13 @@ from stagefeed import __version__, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
-from stagefeed.common.options import ON_NAN, TRANSPORTS, ProducerOptions, TrainerOptions
+from stagefeed.common.options import (
+    ON_NAN,
+    SHORT_BATCH,
+    TRANSPORTS,
+    ProducerOptions,
+    TrainerOptions,
+)
 from stagefeed.common.schema import Schema, image_schema, load_schema
 
 log = logging.getLogger("stagefeed")
@@ -75,6 +81,11 @@ def add_producer_flags(p: argparse.ArgumentParser) -> None:
     envflags.add(g, "--inflight-mb", type=float, default=512.0, help="unsent bytes per producer")
     envflags.add(g, "--rate", type=float, default=0.0, help="batches/s per producer (0: no limit)")
     envflags.add(g, "--max-batches", type=int, default=0, help="batches per producer (0: no limit)")
+    envflags.add(
+        g, "--short-batch", default="refuse", choices=SHORT_BATCH,
+        help="a source's batch with fewer rows than --batch-size: refuse it (exit 2) or drop "
+        "it (counted and logged; like tf.data's drop_remainder)",
+    )  # fmt: skip
     envflags.add(g, "--seed", type=int, default=0, help="RNG seed of the synthetic source")
 
 
@@ -112,6 +123,10 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add(
         g, "--on-nan", default="stop", choices=ON_NAN,
         help="a NaN or infinite loss: stop training (exit code 4) or warn and go on",
+    )  # fmt: skip
+    envflags.add_switch(
+        g, "--require-full-run",
+        help="exit 5 (after the summary) when the data ends before the planned steps/epochs",
     )  # fmt: skip
     envflags.add(g, "--queue-mb", type=float, default=2048.0, help="FIFOQueue budget in MiB")
     envflags.add(g, "--stage-depth", type=int, default=2, help="batches staged on the device")
@@ -178,6 +193,7 @@ def producer_options(args: argparse.Namespace, connect: str, workers: int) -> Pr
         inflight_mb=args.inflight_mb,
         rate=args.rate,
         max_batches=args.max_batches,
+        short_batch=args.short_batch,
         seed=args.seed,
         curve_keys=args.curve_keys,
         transport=data_transport(args),
@@ -228,6 +244,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         save_dir=args.save,
         checkpoint_every=args.checkpoint_every,
         on_nan=args.on_nan,
+        require_full_run=args.require_full_run,
         targets=_targets(args),
     )
 

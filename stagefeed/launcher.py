@@ -19,7 +19,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from stagefeed.common.errors import EXIT_NON_FINITE, BrokenError, ClosedError, NonFiniteLoss
+from stagefeed.common.errors import (
+    EXIT_BROKEN,
+    EXIT_CONFIG,
+    EXIT_NON_FINITE,
+    EXIT_SHORT_RUN,
+    BrokenError,
+    ClosedError,
+    ConfigError,
+    NonFiniteLoss,
+    StagefeedError,
+)
 from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
 from stagefeed.common.options import ObserveOptions, ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
@@ -107,14 +117,15 @@ def _start(monitor: Monitor, trainer: TrainerBase, shutdown: Shutdown) -> bool:
 
 def _train(
     trainer: TrainerBase, shutdown: Shutdown, health_check: Callable[[], None] | None = None
-) -> BrokenError | None:
-    """Train until done or stopped; a failure (receive thread, producers, a non-finite loss)
-    is returned, so that the shutdown and the summary still happen."""
+) -> StagefeedError | None:
+    """Train until done or stopped; a failure (receive thread, producers, a producer's source
+    that failed (``ConfigError``), a non-finite loss) is returned, so that the shutdown and
+    the summary still happen."""
     try:
         trainer.train(shutdown.stop, health_check=health_check)
     except ClosedError as exc:
         log.info("stopped before training started: %s", exc)
-    except (BrokenError, NonFiniteLoss) as exc:
+    except (BrokenError, ConfigError, NonFiniteLoss) as exc:
         return exc
     return None
 
@@ -140,11 +151,12 @@ def _finish(
     shutdown: Shutdown,
     json_path: str | None,
     final: FinalFigures | None,
-    failure: BaseException | None,
+    failure: StagefeedError | None,
 ) -> int:
-    """Print and write the summary; the exit code: 4 if a non-finite loss stopped training, 3
-    if something failed, 1 if the JSON could not be written after all (the text summary is on
-    stdout), else 0."""
+    """Print and write the summary; the exit code: 2 if a producer's source failed (its one
+    line is the last on stderr), 4 if a non-finite loss stopped training, 3 if something else
+    failed, 5 if the data ended before the planned steps under ``require_full_run``, 1 if the
+    JSON could not be written after all (the text summary is on stdout), else 0."""
     from stagefeed.consumer.observe.summary import format_text, summarize, write_json
 
     summary = summarize(trainer, final, time.monotonic() - started, shutdown.by_signal)
@@ -157,9 +169,18 @@ def _finish(
         except OSError as exc:
             log.error("cannot write the summary to %s: %s", json_path, exc)
             code = 1
-    if failure is not None:
+    short = summary["run_length"]["short_because"]
+    if isinstance(failure, ConfigError):
+        print(f"stagefeed: error: {failure}", file=sys.stderr, flush=True)  # as cli.main does
+        code = EXIT_CONFIG
+    elif failure is not None:
         log.error("%s", failure)
-        code = EXIT_NON_FINITE if isinstance(failure, NonFiniteLoss) else 3
+        code = EXIT_NON_FINITE if isinstance(failure, NonFiniteLoss) else EXIT_BROKEN
+    elif short and trainer.options.require_full_run:
+        log.error("--require-full-run: %s before the planned steps", short)
+        code = EXIT_SHORT_RUN
+    elif short:
+        log.warning("%s before the planned steps (see the summary)", short)
     return code
 
 
@@ -182,7 +203,7 @@ def train(
     monitor = Monitor(observe)
     trainer = model_ref.trainer(options, [monitor], _server_configurator(options))
     started = time.monotonic()
-    failure = None
+    failure: StagefeedError | None = None
     try:
         if _start(monitor, trainer, shutdown):
             failure = _train(trainer, shutdown)
@@ -221,7 +242,7 @@ def run_local(
     monitor = Monitor(observe)
     trainer = model_ref.trainer(options, [monitor], _server_configurator(options))
     pool: ProducerPool | None = None
-    failure: BaseException | None = None
+    failure: StagefeedError | None = None
     started = time.monotonic()
     try:
         if _start(monitor, trainer, shutdown) and not shutdown.stop.is_set():

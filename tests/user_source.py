@@ -25,6 +25,15 @@ def sharded(schema, worker):
         yield {name: np.full(shape, item, dtype=dtype) for name, dtype, shape in schema.wire()}
 
 
+def short_last(schema, worker):
+    """Two full batches, then the 3 rows left over (the end of data not divisible by it)."""
+    for rows in (schema.batch_size, schema.batch_size, 3):
+        yield {
+            name: np.full((rows, *shape[1:]), 7, dtype=dtype)
+            for name, dtype, shape in schema.wire()
+        }
+
+
 def wrong_shape(schema, worker):
     """A first batch whose first array is float32[1, 2, 3], whatever the schema says."""
     batch = {name: np.zeros(shape, dtype=dtype) for name, dtype, shape in schema.wire()}

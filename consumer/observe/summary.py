@@ -12,6 +12,7 @@ import resource
 import time
 from typing import TYPE_CHECKING, Any
 
+from stagefeed.common.errors import EXIT_SHORT_RUN
 from stagefeed.common.options import MIB
 from stagefeed.consumer.memory import heap
 
@@ -67,6 +68,7 @@ def summarize(
         "dropped_by_reason": trainer.ledger.drops_by_reason(),
         "refused_producers": trainer.ledger.refusals(),
         "data_ended": trainer.data_ended,
+        "run_length": run_length(trainer, interrupted),
         "connections": trainer.ledger.peer_events(),
         "producers": trainer.ledger.summary(),
         "memory": _memory(trainer),
@@ -76,6 +78,39 @@ def summarize(
         summary["advice"] = final.advice.text
         summary["bottleneck"] = final.advice.kind
     return summary
+
+
+def run_length(trainer: TrainerBase, interrupted: bool) -> dict[str, Any]:
+    """Planned against done. ``complete``: every planned step trained (None for a run with no
+    planned length, ``--steps 0``); ``short_because``: why a run that was not interrupted
+    ended before its plan (its data or its producers ended), else None."""
+    options = trainer.options
+    planned, done = options.total_steps, trainer.steps_done
+    per_epoch = options.steps_per_epoch
+    complete = None if not planned else done >= planned
+    short = complete is False and not interrupted
+    return {
+        "planned_steps": planned or None,
+        "steps_done": done,
+        "planned_epochs": options.epochs if per_epoch else None,
+        "epochs_done": done // per_epoch if per_epoch else None,
+        "complete": complete,
+        "short_because": (trainer.drained_because or "the run ended early") if short else None,
+    }
+
+
+def _run_length_line(s: dict[str, Any]) -> str | None:
+    r = s.get("run_length") or {}
+    if not r.get("short_because"):
+        return None
+    epochs = (
+        f", {r['epochs_done']} of {r['planned_epochs']} epochs"
+        if r.get("planned_epochs") is not None else ""
+    )  # fmt: skip
+    return (
+        f"  WARNING: ended after {r['steps_done']} of {r['planned_steps']} planned steps"
+        f"{epochs}: {r['short_because']} (--require-full-run makes this exit {EXIT_SHORT_RUN})"
+    )
 
 
 def _memory(trainer: TrainerBase) -> dict[str, Any]:
@@ -153,6 +188,9 @@ def format_text(summary: dict[str, Any]) -> str:
         f"{b['not_enqueued']}, dropped {b['dropped']}, "
         f"missing (sequence gaps) {b['seq_missing']}",
     ]
+    short = _run_length_line(s)
+    if short:
+        lines.append(short)
     lines.append(_memory_line(s))
     if s["dropped_by_reason"]:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
