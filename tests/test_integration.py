@@ -90,7 +90,7 @@ def test_every_batch_sent_is_trained_or_queued(tmp_path, start_cli):
     # The seed's AlexNet (dense kernels of stddev 1.0, SGD 0.01) diverges on batches of 2
     # random images after a few steps: only the first loss is asked to be finite here.
     assert summary["loss_first"] is not None and math.isfinite(summary["loss_first"])
-    assert summary["median_ms"] > 0 and summary["images_per_s"] > 0
+    assert summary["median_ms"] > 0 and summary["examples_per_s"] > 0
 
 
 def test_trainer_stopped_by_signal_accounts_for_what_it_holds(tmp_path, start_cli):

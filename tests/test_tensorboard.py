@@ -84,7 +84,7 @@ def test_a_real_run_writes_scalars_tensorboard_can_read(tmp_path) -> None:
         assert 0 <= stall <= 100
     for queued in scalars["queue/batches"].values():
         assert 0 <= queued <= summary["queue_capacity"]
-    assert all(v > 0 for v in scalars["throughput/images_per_s"].values())
+    assert all(v > 0 for v in scalars["throughput/examples_per_s"].values())
     assert all(v > 0 for v in scalars["input/consume_batches_per_s"].values())
     assert set(scalars["producers/seen"].values()) == {1.0}
     (producer,) = summary["producers"]

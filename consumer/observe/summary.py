@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from stagefeed.common.errors import EXIT_SHORT_RUN
 from stagefeed.common.options import MIB
 from stagefeed.consumer.memory import heap
+from stagefeed.consumer.observe.progress import size_text
 
 if TYPE_CHECKING:  # types only: a Keras run must not import graph mode (or TensorFlow's
     # private StagingArea) to print its summary
@@ -49,7 +50,7 @@ def summarize(
         "median_ms": _round(final.median_ms if final else nan),
         "p10_ms": _round(final.p10_ms if final else nan),
         "p90_ms": _round(final.p90_ms if final else nan),
-        "images_per_s": _round(window.images_per_s if window else nan),
+        "examples_per_s": _round(window.examples_per_s if window else nan),
         "received_mb_per_s": _round(window.received_mb_per_s if window else nan),
         "stall_pct": _round(window.stall_pct if window else nan),
         "loss_first": _round(_or_nan(trainer.loss_first), 4),
@@ -172,7 +173,7 @@ def format_text(summary: dict[str, Any]) -> str:
     s, b = summary, summary["batches"]
     lines = [
         "stagefeed summary",
-        f"  device {s['device']}, batch {s['schema']} ({s['batch_mb']} MiB), "
+        f"  device {s['device']}, batch {s['schema']} ({size_text(s['batch_mb'])}), "
         f"{s['recv_threads']} enqueue threads, "
         f"queue {s['queue_capacity']} batches, staging depth {s['stage_depth']}",
         _transport_line(s),
@@ -180,7 +181,7 @@ def format_text(summary: dict[str, Any]) -> str:
         + (" - interrupted" if s["interrupted"] else "")
         + (" - every producer's data ended" if s.get("data_ended") else ""),
         f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",
-        f"  examples/s {s['images_per_s']}  received {s['received_mb_per_s']} MiB/s  "
+        f"  examples/s {s['examples_per_s']}  received {s['received_mb_per_s']} MiB/s  "
         f"stall {s['stall_pct']}%",
         f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})",
         f"  batches received {b['received']}, trained {b['trained']}, "
