@@ -33,6 +33,7 @@ from stagefeed.common.errors import (
 from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
 from stagefeed.common.options import ObserveOptions, ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
+from stagefeed.common.tf_config import apply_indexed_job
 from stagefeed.producer.pool import ProducerPool, pool_check
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ def train(
     """Listen, train ``options.total_steps`` steps (or until a signal), print the summary."""
     shutdown = shutdown or Shutdown().install()
     _check_outputs(json_path, observe.logdir, options.save_dir)
+    apply_indexed_job()  # TF_CONFIG, checked or derived, before TensorFlow reads it
     # TensorFlow loads here (seconds): a signal meanwhile takes effect once it has loaded.
     from stagefeed.consumer.quiet_tf import import_tensorflow
 
