@@ -9,7 +9,9 @@ welcome (which gives the schema when the producer declared none), open the sourc
 schema, then send each batch after ``check_arrays`` (the first batch's mismatch is a
 ``SchemaMismatch`` naming source, array, expected and actual). The end of the data or
 ``max_batches`` is a clean finish: what is held is sent against credit, then ``end``, then
-ZeroMQ delivers for up to ``FLUSH_TIMEOUT_S``. A stop discards what is held.
+ZeroMQ delivers for up to ``FLUSH_TIMEOUT_S``. A source that fails finishes the same way
+(the batches it made before are delivered), its ``end`` carrying ``source_error`` and the
+error's text, and then the error is raised (exit 2 or 3). A stop discards what is held.
 """
 
 from __future__ import annotations
@@ -23,14 +25,21 @@ import threading
 import time
 from typing import Any
 
+from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.producer import shm_send
-from stagefeed.producer.channel import TrainerChannel
+from stagefeed.producer.channel import TrainerChannel, Welcome
 from stagefeed.producer.process_pipes import FailureReports
-from stagefeed.producer.sources import WorkerInfo, open_feed, resolve_source
+from stagefeed.producer.sources import (
+    SourceFactory,
+    SourceFailed,
+    WorkerInfo,
+    open_feed,
+    resolve_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +125,9 @@ def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
 
     Raises ``ClosedError`` on stop, ``ConfigError`` (``SchemaMismatch``) when the trainer or
     the source disagree with the schema, ``BrokenError`` when the trainer refuses the
-    handshake or the source fails.
+    handshake or the source fails. A source that fails (at start or at batch ``k``) is a
+    finish first: the ``k`` batches before the failure are delivered, then ``end`` tells the
+    trainer ``source_error`` and the error's text; then the source's error is raised.
     """
     factory = resolve_source(options.source)
     configure = None
@@ -133,69 +144,119 @@ def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
         transport=options.transport,
     )
     name = worker.producer_id
-    seq = 0
+    sent = _Sent()
+    failure: ConfigError | BrokenError | None = None
     finished = False
     try:
         welcome = channel.open(stop)
-        schema = welcome.schema
-        feed = open_feed(options.source, schema, worker, welcome.max_unsent + 1, factory)
-        log.info(
-            "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s",
-            name,
-            options.connect,
-            schema.describe(),
-            schema.batch_bytes / MIB,
-            welcome.max_unsent,
-            options.source,
-        )
-        interval = 1.0 / options.rate if options.rate else 0.0
-        next_at = time.monotonic()
-        while not options.max_batches or seq < options.max_batches:
-            if stop.is_set():
-                raise ClosedError("stop requested")
-            if interval:
-                next_at = _pace(next_at, interval, stop)
-            if channel.lane is not None:
-                outcome = shm_send.send_in_slot(channel, feed, seq, stop)
-                if outcome == shm_send.END:
-                    break
-                if outcome != shm_send.NOT_SHARED:
-                    seq += outcome == shm_send.SENT
-                    continue
-            item = feed.next()
-            if item is None:
-                break
-            arrays, release = item
-            channel.send(arrays, seq, stop, on_release=release)
-            seq += 1
-        _finish(channel, name, seq, stop)
-        finished = True
+        try:
+            _send_all(options, worker, factory, channel, welcome, stop, sent)
+        except SourceFailed as failed:
+            failure = failed.error
+        try:
+            _finish(channel, name, sent.count, stop, failure)
+            finished = True
+        except ClosedError:
+            if failure is None:
+                raise  # a stop while delivering the tail of a failed source: its error stands
     finally:
         if not finished and channel.welcome is not None:
             log.info(
                 "producer %s stopped: %d batches handed over (%s); %s; %d not yet delivered "
                 "discarded (%d waiting for credit, %d held by ZeroMQ)",
                 name,
-                seq,
-                _seq_range(seq),
+                sent.count,
+                _seq_range(sent.count),
                 _refused_text(channel),
                 channel.held(),
                 channel.waiting(),
                 channel.in_zeromq(),
             )
         channel.close()
-    return seq
+    if failure is not None:
+        raise failure
+    return sent.count
 
 
-def _finish(channel: TrainerChannel, name: str, count: int, stop: Any) -> None:
+class _Sent:
+    """Batches handed to the channel so far (the next batch's ``seq``)."""
+
+    count = 0
+
+
+def _send_all(
+    options: ProducerOptions,
+    worker: WorkerInfo,
+    factory: SourceFactory | None,
+    channel: TrainerChannel,
+    welcome: Welcome,
+    stop: Any,
+    sent: _Sent,
+) -> None:
+    """Open the source and hand its batches to the channel until its end or ``max_batches``;
+    ``SourceFailed`` when the source fails (``sent.count``: the batches before it)."""
+    schema, max_unsent = welcome.schema, welcome.max_unsent
+    try:
+        feed = open_feed(options.source, schema, worker, max_unsent + 1, factory)
+    except (ConfigError, BrokenError) as exc:
+        raise SourceFailed(exc) from exc
+    log.info(
+        "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s",
+        worker.producer_id,
+        options.connect,
+        schema.describe(),
+        schema.batch_bytes / MIB,
+        max_unsent,
+        options.source,
+    )
+    interval = 1.0 / options.rate if options.rate else 0.0
+    next_at = time.monotonic()
+    while not options.max_batches or sent.count < options.max_batches:
+        if stop.is_set():
+            raise ClosedError("stop requested")
+        if interval:
+            next_at = _pace(next_at, interval, stop)
+        if channel.lane is not None:
+            outcome = shm_send.send_in_slot(channel, feed, sent.count, stop)
+            if outcome == shm_send.END:
+                return
+            if outcome != shm_send.NOT_SHARED:
+                sent.count += outcome == shm_send.SENT
+                continue
+        try:
+            item = feed.next()
+        except (ConfigError, BrokenError) as exc:
+            raise SourceFailed(exc) from exc
+        if item is None:
+            return
+        arrays, release = item
+        channel.send(arrays, sent.count, stop, on_release=release)
+        sent.count += 1
+
+
+def _finish(
+    channel: TrainerChannel,
+    name: str,
+    count: int,
+    stop: Any,
+    failure: ConfigError | BrokenError | None = None,
+) -> None:
+    """Deliver what is held, then ``end`` (with ``source_error`` and the text of ``failure``
+    if the source failed), then let ZeroMQ deliver for what is left of ``FLUSH_TIMEOUT_S``."""
     started = time.monotonic()
-    drained = channel.finish(count, stop, FLUSH_TIMEOUT_S)
+    if failure is None:
+        drained = channel.finish(count, stop, FLUSH_TIMEOUT_S)
+    else:
+        drained = channel.finish(
+            count, stop, FLUSH_TIMEOUT_S, protocol.END_SOURCE_ERROR, str(failure)
+        )
     linger_s = max(0.0, FLUSH_TIMEOUT_S - (time.monotonic() - started))
     refused = sum(channel.refused().values())
     log.log(
-        logging.WARNING if refused else logging.INFO,
-        "producer %s finished: %d batches (%s); %s; delivering the last %d (up to %.0f s)",
+        logging.WARNING if refused or failure else logging.INFO,
+        "producer %s %s: %d batches (%s); %s; delivering the last %d (up to %.0f s)",
         name,
+        "finished" if failure is None else "source failed, ending",
         count,
         _seq_range(count),
         _refused_text(channel),
