@@ -1,7 +1,7 @@
 """One producer process: read batches from a source and send them to the trainer (protocol v2).
 
 ``produce(options, worker, stop)`` is the whole job and can run in any process (tests call
-it in a thread); ``worker_main`` is the entry point ``ProducerPool`` spawns around it: logging,
+it in a thread); ``worker_main`` is the entry point ``Producers`` spawns around it: logging,
 signals, orphan protection, exit codes, and the one-line failure it reports to the pool.
 
 Flow: resolve the source (a bad ``--source`` fails before connecting), connect, hello,
@@ -16,6 +16,7 @@ error's text, and then the error is raised (exit 2 or 3). A stop discards what i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -32,7 +33,7 @@ from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.producer import shm_send
 from stagefeed.producer.channel import TrainerChannel, Welcome
-from stagefeed.producer.process_pipes import FailureReports
+from stagefeed.producer.process_pipes import WorkerReports
 from stagefeed.producer.sources import (
     SourceFactory,
     SourceFailed,
@@ -81,10 +82,11 @@ def worker_main(
     index: int,
     stop: Any,
     log_level: int,
-    failures: FailureReports | None = None,
+    reports: WorkerReports | None = None,
 ) -> None:
     """Entry point of a spawned producer process: exit 0 on a clean finish or stop, 2 on a
-    ``ConfigError``, 3 on a ``BrokenError``, each reported to ``failures`` in one line."""
+    ``ConfigError``, 3 on a ``BrokenError``; in every case it reports to ``reports`` how it
+    ended (the error in one line), what it sent and what its ``end`` said."""
     setup_logging(log_level)
     watch = _ParentWatch(stop)
 
@@ -104,23 +106,46 @@ def worker_main(
     signal.signal(signal.SIGTERM, on_signal)
     # The pool starts workers with both signals blocked (see producer.pool): handlers first.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    outcome = Outcome()
+    code, state, error = 1, "failed", "unexpected error (see the producer's log)"
     try:
-        produce(options, worker_info(options, index), watch)
+        produce(options, worker_info(options, index), watch, outcome)
+        code, state, error = 0, "finished", ""
     except ClosedError:
-        return
+        code, state, error = 0, "stopped", ""
     except (ConfigError, BrokenError) as exc:
         log.debug("producer %d failed: %s", index, exc)
-        if failures is not None:
-            failures.report(exc)
-        raise SystemExit(2 if isinstance(exc, ConfigError) else 3) from None
+        code, error = (2 if isinstance(exc, ConfigError) else 3), str(exc)
     finally:
         # CPython puts the default actions back while it exits, and a late Ctrl-C would then
         # turn this exit into a death by SIGINT, which the pool would report as a failure.
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if reports is not None:
+            try:
+                reports.report(
+                    index, code, state, outcome.sent, outcome.refused, outcome.bye, error
+                )
+            except OSError as exc:  # the pool has gone: nobody to tell
+                log.debug("producer %d: no report: %s", index, exc)
+    if code:
+        raise SystemExit(code)
 
 
-def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
+@dataclasses.dataclass
+class Outcome:
+    """What one ``produce`` did, filled in as it goes (for its report to the pool):
+    ``sent`` batches handed over (seq 0..sent-1), the trainer's ``refused`` verdicts by
+    reason, and ``bye``: the reason its ``end`` carried, once that went out (None: no end)."""
+
+    sent: int = 0
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)
+    bye: str | None = None
+
+
+def produce(
+    options: ProducerOptions, worker: WorkerInfo, stop: Any, outcome: Outcome | None = None
+) -> int:
     """Send batches until ``max_batches``, the source's end, or ``stop``; return the count.
 
     Raises ``ClosedError`` on stop, ``ConfigError`` (``SchemaMismatch``) when the trainer or
@@ -144,17 +169,17 @@ def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
         transport=options.transport,
     )
     name = worker.producer_id
-    sent = _Sent()
+    outcome = outcome if outcome is not None else Outcome()
     failure: ConfigError | BrokenError | None = None
     finished = False
     try:
         welcome = channel.open(stop)
         try:
-            _send_all(options, worker, factory, channel, welcome, stop, sent)
+            _send_all(options, worker, factory, channel, welcome, stop, outcome)
         except SourceFailed as failed:
             failure = failed.error
         try:
-            _finish(channel, name, sent.count, stop, failure)
+            outcome.bye = _finish(channel, name, outcome.sent, stop, failure)
             finished = True
         except ClosedError:
             if failure is None:
@@ -165,23 +190,18 @@ def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
                 "producer %s stopped: %d batches handed over (%s); %s; %d not yet delivered "
                 "discarded (%d waiting for credit, %d held by ZeroMQ)",
                 name,
-                sent.count,
-                _seq_range(sent.count),
+                outcome.sent,
+                _seq_range(outcome.sent),
                 _refused_text(channel),
                 channel.held(),
                 channel.waiting(),
                 channel.in_zeromq(),
             )
+        outcome.refused = channel.refused()
         channel.close()
     if failure is not None:
         raise failure
-    return sent.count
-
-
-class _Sent:
-    """Batches handed to the channel so far (the next batch's ``seq``)."""
-
-    count = 0
+    return outcome.sent
 
 
 def _send_all(
@@ -191,10 +211,10 @@ def _send_all(
     channel: TrainerChannel,
     welcome: Welcome,
     stop: Any,
-    sent: _Sent,
+    outcome: Outcome,
 ) -> None:
     """Open the source and hand its batches to the channel until its end or ``max_batches``;
-    ``SourceFailed`` when the source fails (``sent.count``: the batches before it)."""
+    ``SourceFailed`` when the source fails (``outcome.sent``: the batches before it)."""
     schema, max_unsent = welcome.schema, welcome.max_unsent
     try:
         feed = open_feed(options.source, schema, worker, max_unsent + 1, factory)
@@ -211,17 +231,17 @@ def _send_all(
     )
     interval = 1.0 / options.rate if options.rate else 0.0
     next_at = time.monotonic()
-    while not options.max_batches or sent.count < options.max_batches:
+    while not options.max_batches or outcome.sent < options.max_batches:
         if stop.is_set():
             raise ClosedError("stop requested")
         if interval:
             next_at = _pace(next_at, interval, stop)
         if channel.lane is not None:
-            outcome = shm_send.send_in_slot(channel, feed, sent.count, stop)
-            if outcome == shm_send.END:
+            slot = shm_send.send_in_slot(channel, feed, outcome.sent, stop)
+            if slot == shm_send.END:
                 return
-            if outcome != shm_send.NOT_SHARED:
-                sent.count += outcome == shm_send.SENT
+            if slot != shm_send.NOT_SHARED:
+                outcome.sent += slot == shm_send.SENT
                 continue
         try:
             item = feed.next()
@@ -230,8 +250,8 @@ def _send_all(
         if item is None:
             return
         arrays, release = item
-        channel.send(arrays, sent.count, stop, on_release=release)
-        sent.count += 1
+        channel.send(arrays, outcome.sent, stop, on_release=release)
+        outcome.sent += 1
 
 
 def _finish(
@@ -240,16 +260,13 @@ def _finish(
     count: int,
     stop: Any,
     failure: ConfigError | BrokenError | None = None,
-) -> None:
+) -> str | None:
     """Deliver what is held, then ``end`` (with ``source_error`` and the text of ``failure``
-    if the source failed), then let ZeroMQ deliver for what is left of ``FLUSH_TIMEOUT_S``."""
+    if the source failed), then let ZeroMQ deliver for what is left of ``FLUSH_TIMEOUT_S``.
+    Returns the reason the ``end`` carried, or None if it could not be sent."""
     started = time.monotonic()
-    if failure is None:
-        drained = channel.finish(count, stop, FLUSH_TIMEOUT_S)
-    else:
-        drained = channel.finish(
-            count, stop, FLUSH_TIMEOUT_S, protocol.END_SOURCE_ERROR, str(failure)
-        )
+    reason = protocol.END_OK if failure is None else protocol.END_SOURCE_ERROR
+    drained = channel.finish(count, stop, FLUSH_TIMEOUT_S, reason, str(failure or ""))
     linger_s = max(0.0, FLUSH_TIMEOUT_S - (time.monotonic() - started))
     refused = sum(channel.refused().values())
     log.log(
@@ -277,6 +294,7 @@ def _finish(
         channel.close(linger_s)
     finally:
         _flushing.clear()
+    return reason if drained.end_sent else None
 
 
 def _pace(next_at: float, interval: float, stop: Any) -> float:

@@ -1,10 +1,11 @@
 """stagefeed: feed a TensorFlow trainer from Python producer processes.
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
-this package without TensorFlow: the trainer-side names (``Feed``, ``ServedFeed``,
-``Trainer``, ``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and
-``keep_freed_memory``) are loaded on first use (PEP 562); all but the step records and
-``keep_freed_memory`` import TensorFlow.
+this package without TensorFlow: ``Producers`` (producer processes, what ``stagefeed
+produce`` runs) and the trainer-side names (``Feed``, ``ServedFeed``, ``Trainer``,
+``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and ``keep_freed_memory``)
+are loaded on first use (PEP 562); of those only ``Feed``, ``ServedFeed``, ``Trainer``,
+``KerasTrainer`` and ``cast_layer`` import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 ``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
@@ -41,12 +42,14 @@ __version__ = "0.2.0"
 _LAZY = {
     "Feed": "stagefeed.consumer.tf2.feed",
     "KerasTrainer": "stagefeed.consumer.keras_fit.trainer",
+    "Producers": "stagefeed.producer.pool",  # no TensorFlow
     "ServedFeed": "stagefeed.consumer.tf2.served_feed",
     "StepObserver": "stagefeed.consumer.trainer_base",
     "StepRecord": "stagefeed.consumer.trainer_base",
     "Trainer": "stagefeed.consumer.graph.trainer",
     "cast_layer": "stagefeed.consumer.keras_fit.callback",
     "keep_freed_memory": "stagefeed.consumer.memory.malloc_policy",  # no TensorFlow
+    "WorkerBook": "stagefeed.producer.pool",  # no TensorFlow
 }
 _WITH_TENSORFLOW = {"Feed", "KerasTrainer", "ServedFeed", "Trainer", "cast_layer"}
 
@@ -61,6 +64,7 @@ __all__ = [
     "KerasTrainer",
     "NonFiniteLoss",
     "ProducerOptions",
+    "Producers",
     "ProtocolError",
     "Schema",
     "SchemaMismatch",
@@ -70,6 +74,7 @@ __all__ = [
     "StepRecord",
     "Trainer",
     "TrainerOptions",
+    "WorkerBook",
     "__version__",
     "cast_layer",
     "image_schema",

@@ -1,4 +1,4 @@
-"""``produce()`` and ``ProducerPool`` against the v2 trainer stand-in: final lines with true
+"""``produce()`` and ``Producers`` against the v2 trainer stand-in: final lines with true
 numbers, buffer reuse safety, pings while a source blocks, failures carried to the pool."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.producer.pool import ProducerPool
+from stagefeed.producer.pool import Producers
 from stagefeed.producer.sources import WorkerInfo
 from stagefeed.producer.worker import produce
 
@@ -159,7 +159,7 @@ def wrong_schema() -> Schema:
 )
 def test_a_workers_failure_reaches_the_pool_as_one_line(kwargs, error, code, message):
     with StandInTrainer(SMALL, credit=4) as trainer:
-        pool = ProducerPool(options_for(trainer, workers=2, **kwargs), logging.WARNING).start()
+        pool = Producers(options_for(trainer, workers=2, **kwargs), logging.WARNING).start()
         try:
             assert wait_for(lambda: pool.alive() == 0, 60)
             with pytest.raises(error) as info:
@@ -172,7 +172,7 @@ def test_a_workers_failure_reaches_the_pool_as_one_line(kwargs, error, code, mes
 
 def test_a_pool_whose_workers_finish_reports_nothing():
     with StandInTrainer(SMALL, credit=4, regrant=True) as trainer:
-        pool = ProducerPool(options_for(trainer, workers=2, max_batches=5)).start()
+        pool = Producers(options_for(trainer, workers=2, max_batches=5)).start()
         try:
             assert pool.wait(60)
         finally:
