@@ -87,6 +87,15 @@ class WorkerInfo:
         return items[self.index :: self.count]
 
 
+class SourceFailed(Exception):
+    """Carries the error a source raised (``ConfigError``/``BrokenError``) past the code that
+    also raises the channel's errors: the producer delivers what it made, then raises it."""
+
+    def __init__(self, error: ConfigError | BrokenError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class FillingSource(Protocol):
     def fill(self, out: dict[str, np.ndarray]) -> bool: ...
 

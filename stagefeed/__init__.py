@@ -1,10 +1,12 @@
 """stagefeed: feed a TensorFlow trainer from Python producer processes.
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
-this package without TensorFlow: the trainer-side names (``Feed``, ``ServedFeed``,
+this package without TensorFlow: ``Producers`` and ``WorkerBook`` (producer processes, what
+``stagefeed produce`` runs) and the trainer-side names (``Feed``, ``ServedFeed``,
 ``BooksFigures``, ``TrainedStep``, ``Trainer``, ``KerasTrainer``, ``StepRecord``,
 ``StepObserver``, ``cast_layer`` and ``keep_freed_memory``) are loaded on first use (PEP 562);
-all but ``StepRecord``, ``StepObserver`` and ``keep_freed_memory`` import TensorFlow.
+of those only ``Feed``, ``ServedFeed``, ``BooksFigures``, ``TrainedStep``, ``Trainer``,
+``KerasTrainer`` and ``cast_layer`` import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 ``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
@@ -42,6 +44,7 @@ _LAZY = {
     "BooksFigures": "stagefeed.consumer.tf2.step_books",
     "Feed": "stagefeed.consumer.tf2.feed",
     "KerasTrainer": "stagefeed.consumer.keras_fit.trainer",
+    "Producers": "stagefeed.producer.pool",  # no TensorFlow
     "ServedFeed": "stagefeed.consumer.tf2.served_feed",
     "StepObserver": "stagefeed.consumer.trainer_base",
     "StepRecord": "stagefeed.consumer.trainer_base",
@@ -49,6 +52,7 @@ _LAZY = {
     "TrainedStep": "stagefeed.consumer.tf2.step_books",
     "cast_layer": "stagefeed.consumer.keras_fit.callback",
     "keep_freed_memory": "stagefeed.consumer.memory.malloc_policy",  # no TensorFlow
+    "WorkerBook": "stagefeed.producer.pool",  # no TensorFlow
 }
 _WITH_TENSORFLOW = {
     "BooksFigures", "Feed", "KerasTrainer", "ServedFeed", "TrainedStep", "Trainer", "cast_layer",
@@ -66,6 +70,7 @@ __all__ = [
     "KerasTrainer",
     "NonFiniteLoss",
     "ProducerOptions",
+    "Producers",
     "ProtocolError",
     "Schema",
     "SchemaMismatch",
@@ -76,6 +81,7 @@ __all__ = [
     "TrainedStep",
     "Trainer",
     "TrainerOptions",
+    "WorkerBook",
     "__version__",
     "cast_layer",
     "image_schema",

@@ -34,7 +34,7 @@ from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
 from stagefeed.common.options import ObserveOptions, ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
 from stagefeed.common.tf_config import apply_indexed_job
-from stagefeed.producer.pool import ProducerPool, pool_check
+from stagefeed.producer.pool import Producers
 
 if TYPE_CHECKING:
     from stagefeed.consumer.observe.monitor import FinalFigures, Monitor
@@ -48,19 +48,20 @@ LEFTOVER_THREADS_S = 2.0
 
 
 def produce(options: ProducerOptions, shutdown: Shutdown | None = None) -> int:
-    """Run producer processes until they finish (``--max-batches``) or a signal stops them."""
+    """Run producer processes (``stagefeed.Producers``) until they finish (``--max-batches``,
+    the data's end) or a signal stops them; a worker's failure is raised as it reported it."""
     shutdown = shutdown or Shutdown().install()
-    _check_client_keys(options)
-    pool = ProducerPool(options, logging.getLogger().level)
+    producers = Producers(options, logging.getLogger().level)
     try:
         if not shutdown.stop.is_set():
-            pool.start()
-        while pool.alive() and not shutdown.stop.wait(POLL_S):
-            pool.wait(0)  # raises BrokenError as soon as a worker failed
+            producers.start()
+        # wait() raises a worker's failure as soon as it is reported (exit 2 or 3)
+        while not producers.wait(POLL_S) and not shutdown.stop.is_set():
+            pass
     finally:
         shutdown.begin()
-        pool.close(hurry=shutdown.urgent.is_set)
-    pool.wait(0)  # a worker that failed, even during the shutdown, is reported: exit 3
+        producers.close(hurry=shutdown.urgent.is_set)
+    producers.wait(0)  # a worker that failed, even during the shutdown, is reported
     return 0
 
 
@@ -132,7 +133,7 @@ def _train(
 
 
 def _close(
-    shutdown: Shutdown, monitor: Monitor, trainer: TrainerBase, pool: ProducerPool | None = None
+    shutdown: Shutdown, monitor: Monitor, trainer: TrainerBase, pool: Producers | None = None
 ) -> None:
     """Close everything, each step whatever the one before did."""
     shutdown.begin()  # from here on, a signal cuts the grace periods
@@ -243,16 +244,16 @@ def run_local(
 
     monitor = Monitor(observe)
     trainer = model_ref.trainer(options, [monitor], _server_configurator(options))
-    pool: ProducerPool | None = None
+    pool: Producers | None = None
     failure: StagefeedError | None = None
     started = time.monotonic()
     try:
         if _start(monitor, trainer, shutdown) and not shutdown.stop.is_set():
-            pool = ProducerPool(
+            pool = Producers(
                 producer_options(args, trainer.endpoint, args.producers), logging.getLogger().level
             ).start()
             log.info("%d producers -> %s", args.producers, trainer.endpoint)
-            failure = _train(trainer, shutdown, health_check=pool_check(pool, ClosedError))
+            failure = _train(trainer, shutdown, health_check=pool.health_check(ClosedError))
     finally:
         try:
             _close(shutdown, monitor, trainer, pool)

@@ -304,5 +304,8 @@ def test_an_end_header_raises_only_protocol_error(raw):
     header = bounded(protocol.decode_header, raw, protocol.FROM_PRODUCER)
     if isinstance(header, ProtocolError):
         return
-    assert set(header) == {"v", "t", "seq"} and header["t"] == "end"
+    assert set(header) - {"reason", "detail"} == {"v", "t", "seq"} and header["t"] == "end"
     assert type(header["seq"]) is int and 0 <= header["seq"] < 2**63
+    reason, detail = protocol.end_reason(header)
+    assert reason in protocol.END_REASONS | {protocol.END_OTHER}
+    assert len(detail) <= protocol.MAX_DETAIL_LEN and (not detail or detail.isprintable())

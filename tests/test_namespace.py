@@ -29,7 +29,7 @@ def test_import_stagefeed_and_the_producer_side_do_not_import_tensorflow():
     code = (
         "import sys, stagefeed, stagefeed.cli, stagefeed.launcher;"
         "import stagefeed.producer.worker, stagefeed.producer.pool, stagefeed.producer.sources;"
-        "stagefeed.cli.build_parser();"
+        "stagefeed.cli.build_parser(); stagefeed.Producers, stagefeed.WorkerBook;"
         "print('tensorflow' in sys.modules, 'keras' in sys.modules)"
     )
     out = subprocess.run(

@@ -97,4 +97,28 @@ def fails(schema, worker):
     raise KeyError("no such shard")
 
 
+def wrong_dtype_at_3(schema, worker):
+    """Three good batches (values = batch number), then one whose first array is float64."""
+    for n in range(3):
+        yield {name: np.full(shape, n, dtype=dtype) for name, dtype, shape in schema.wire()}
+    batch = {name: np.zeros(shape, dtype=dtype) for name, dtype, shape in schema.wire()}
+    name, _, shape = schema.wire()[0]
+    batch[name] = np.zeros(shape, np.float64)
+    yield batch
+
+
+def labels_out_of_bounds_at_3(schema, worker):
+    """Three good batches of the image schema, then labels past ``num_classes``."""
+    for n in range(4):
+        batch = {name: np.zeros(shape, dtype=dtype) for name, dtype, shape in schema.wire()}
+        if n == 3:
+            batch["labels"][:] = 10**6
+        yield batch
+
+
 not_callable = 42
+
+
+def fails_to_start(schema, worker):
+    """A source whose factory raises: it never makes a batch."""
+    raise OSError("no data here")

@@ -283,8 +283,8 @@ class Intake:
             self._on_batch(router, conn, header, lambda: protocol.decode_batch(header, frames))
         elif kind == "shm_batch":
             self._on_batch(router, conn, header, lambda: self._shm_batch(conn, header))
-        elif kind == "end":
-            self._ledger.ended(conn.index, header["seq"])
+        elif kind == "end":  # the producer's bye, and why (protocol.end_reason)
+            self._ledger.ended(conn.index, header["seq"], *protocol.end_reason(header))
             self._conns.end(conn)
             if self.shm is not None:
                 self.shm.ended(conn.routing_id)

@@ -68,6 +68,8 @@ def summarize(
         },
         "dropped_by_reason": trainer.ledger.drops_by_reason(),
         "refused_producers": trainer.ledger.refusals(),
+        "producers_ended": trainer.ledger.read().ended,
+        "producers_left": trainer.ledger.left(),
         "data_ended": trainer.data_ended,
         "run_length": run_length(trainer, interrupted),
         "connections": trainer.ledger.peer_events(),
@@ -199,6 +201,14 @@ def format_text(summary: dict[str, Any]) -> str:
     for name, reasons in sorted(s.get("refused_producers", {}).items()):
         why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
         lines.append(f"  refused producer {name}: {why}")
+    if s.get("producers_ended"):
+        ends = ", ".join(f"{k} {v}" for k, v in sorted(s["producers_ended"].items()))
+        lines.append(f"  producers ended: {ends}")
+    for left in s.get("producers_left", []):
+        lines.append(
+            f"  producer {left['producer']} left after {left['ended_after']} batches: "
+            f"{left['reason']}: {left['detail']}"
+        )
     if s.get("connections"):
         events = ", ".join(f"{k} {v}" for k, v in sorted(s["connections"].items()))
         lines.append(f"  connections: {events}")
@@ -211,6 +221,7 @@ def format_text(summary: dict[str, Any]) -> str:
             f"in the intake {p.get('not_enqueued', 0)}, dropped {dropped}"
             + (f" {p['dropped']}" if dropped else "")
             + (f", missing {p['seq_missing']}" if p.get("seq_missing") else "")
+            + (f", ended {p['end_reason']}" if p.get("end_reason") else "")
         )
     if s.get("advice"):
         lines.append(f"  advice: {s['advice']}")
