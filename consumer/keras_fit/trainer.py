@@ -115,6 +115,7 @@ class KerasTrainer(TrainerBase):
         assert self.feed is not None and self.model is not None
         options = self.options
         total = options.total_steps
+        iterations_before = int(self.model.optimizer.iterations)
         watch = _Watch(self, stop, health_check).start()
         books = self.feed.callback()
         callbacks: list[keras.callbacks.Callback] = [books, _Steps(self, books)]
@@ -131,6 +132,7 @@ class KerasTrainer(TrainerBase):
                 )
         finally:
             watch.close()
+        _count_trained_steps_only(self.model, iterations_before + self.steps_done)
         figures = self.feed.figures()
         self._queued = figures.in_queue
         verdict = watch.run_end.verdict
@@ -171,6 +173,24 @@ class KerasTrainer(TrainerBase):
         if self.feed is not None:
             self.feed.close()
 
+
+
+def _count_trained_steps_only(model: keras.Model, trained: int) -> None:
+    """``optimizer.iterations`` back to the steps trained, if ``fit`` counted one more.
+
+    Keras 3 on TensorFlow (3.15, TF 2.21) counts one iteration too many when a dataset of
+    unknown length ends: the call that meets the end runs the counter's ``assign_add``, which
+    no data op feeds, before ``get_next`` fails (measured: plain ``tf.data`` of 20 batches
+    behind a ``filter`` ends ``fit`` with ``iterations`` 21; no weight moves in that call).
+    A learning-rate schedule and a resumed run read this counter, so it must equal the steps
+    the books say were trained.
+    """
+    iterations = model.optimizer.iterations
+    counted = int(iterations)
+    if counted > trained:
+        log.info("optimizer.iterations %d -> %d: the steps trained (Keras counts the call that "
+                 "met the end of the data)", counted, trained)  # fmt: skip
+        iterations.assign(trained)
 
 
 def keras_format(model: keras.Model) -> ModelFormat:
