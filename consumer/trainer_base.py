@@ -71,6 +71,9 @@ class TrainerBase:
         self.steps_done = 0
         self.loss_first: float | None = None
         self.loss_last: float | None = None
+        # The model's own metrics after the last step (Keras: compiled metrics, running means
+        # over the epoch, as fit reports them); empty in graph mode.
+        self.metrics_last: dict[str, float] = {}
         self.loss_finite = True
         self.nonfinite_steps = 0
         self.data_ended = False  # every producer signalled end of data, all of it trained

@@ -57,7 +57,7 @@ def _keras_model(name: str = "features", shape=(3,), dtype: str = "float32", com
     inputs = keras.Input(shape, name=name, dtype=dtype)
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs), name="linear")
     if compiled:
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
     return model
 
 

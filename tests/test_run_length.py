@@ -113,10 +113,14 @@ def test_data_that_ends_before_the_planned_epochs_is_a_warning_or_exit_5(
         "complete": False, "short_because": "every producer's data ended",
     }  # fmt: skip
     assert summary["batches"]["trained"] == 6 and "Traceback" not in done.stderr
+    assert "input wait" not in done.stderr  # one wait figure: the summary's stall
     if required:
         assert "--require-full-run: every producer's data ended" in done.stderr
     if model.endswith(":build"):  # Keras counted the call that met the end as a 7th iteration
         import keras
+
+        assert set(summary["metrics"]) == {"mae"} and summary["metrics"]["mae"] >= 0
+        assert "; metrics mae " in done.stdout  # the compiled metrics, not only the loss
 
         saved = keras.models.load_model(tmp_path / "model" / "model.keras")
         assert int(saved.optimizer.iterations) == 6

@@ -77,11 +77,12 @@ class FeedCallback(keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         self.feed.books.end()
         figures = self.feed.books.figures()
+        # No wait figure here: ``input_wait`` (history) spans all of fit, tracing included,
+        # and would read as a second "stall" beside the summary's (docs/observability.md).
         log.info(
-            "fit ended: %d batches trained in %d steps, %d abandoned, %d queued, input wait %.0f%%",
+            "fit ended: %d batches trained in %d steps, %d abandoned, %d queued",
             figures.trained,
             figures.steps,
             figures.abandoned,
             figures.queued,
-            100 * figures.input_wait,
         )

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 from stagefeed.common.errors import ConfigError, NonFiniteLoss
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
@@ -228,6 +229,12 @@ class _Steps(keras.callbacks.Callback):
         wait = min(max(figures.wait_s - self._wait_s, 0.0), elapsed)
         step = figures.steps
         loss = (logs or {}).get("loss")
+        trainer.metrics_last = {
+            name: float(value)
+            for name, value in (logs or {}).items()
+            if name != "loss" and not name.startswith(self.books.prefix)
+            and isinstance(value, (int, float, np.floating, np.integer))
+        }
         record = StepRecord(
             step, step > trainer.options.warmup_steps, wait, elapsed - wait,
             math.nan if loss is None else float(loss), self._queued, now,

@@ -56,6 +56,7 @@ def summarize(
         "loss_first": _round(_or_nan(trainer.loss_first), 4),
         "loss_last": _round(_or_nan(trainer.loss_last), 4),
         "loss_finite": trainer.loss_finite if trainer.loss_last is not None else False,
+        "metrics": {name: _round(value, 4) for name, value in trainer.metrics_last.items()},
         "wall_s": round(wall_s, 3),
         "batches": {
             "received": totals.received,
@@ -185,7 +186,11 @@ def format_text(summary: dict[str, Any]) -> str:
         f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",
         f"  examples/s {s['examples_per_s']}  received {s['received_mb_per_s']} MiB/s  "
         f"stall {s['stall_pct']}%",
-        f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})",
+        f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})"
+        + (
+            "; metrics " + ", ".join(f"{k} {v}" for k, v in s["metrics"].items())
+            if s.get("metrics") else ""
+        ),
         f"  batches received {b['received']}, trained {b['trained']}, "
         f"queued at stop {b['queued_at_stop']}, abandoned {b['abandoned']}, in the intake at stop "
         f"{b['not_enqueued']}, dropped {b['dropped']}, "
