@@ -17,11 +17,15 @@ import dataclasses
 import json
 import re
 import shlex
+import tomllib
 from collections.abc import Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.conftest import REPO, cli_env
 
@@ -214,3 +218,23 @@ def _glob_regex(pattern: str) -> re.Pattern[str]:
     glob = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
     tokens = re.split(r"(\*\*/|\*\*|\*|\?)", pattern)
     return re.compile("".join(glob.get(token, re.escape(token)) for token in tokens))
+
+
+def base_requirements() -> list[str]:
+    """pyproject.toml's dependencies: what every image installs."""
+    with open(Path(REPO) / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["dependencies"]
+
+
+def requirement_closure(requirements: list[str]) -> set[str]:
+    """Distributions ``requirements`` pull in on this platform (installed metadata, no extras)."""
+    seen: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        todo += [Requirement(r) for r in metadata.requires(name) or []]
+    return seen

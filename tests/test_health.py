@@ -1,7 +1,8 @@
 """``stagefeed health`` against real sockets on loopback: ZeroMQ peers, a non-ZeroMQ peer, none.
 
-The check against a real trainer process (healthy while it trains, unhealthy once it ended) is
-in test_docker.py, where the compose file's healthcheck runs beside the trainer it describes.
+The check against a real trainer process (healthy while it trains, unhealthy once it ended)
+is in test_compose_services.py, where the compose file's healthcheck runs beside the trainer
+it describes.
 """
 
 from __future__ import annotations

@@ -299,7 +299,7 @@ def test_a_malformed_hello_is_refused_with_the_reason(intake, fields, reason, de
 def test_only_a_producer_that_delivered_can_end_the_data(intake, caplog):
     """``end`` from a connection that delivered nothing ends nothing; from a producer run that
     delivered (on this connection, or on an earlier one with the same session token) it does."""
-    caplog.set_level("INFO", logger="stagefeed.consumer.intake.intake")
+    caplog.set_level("INFO", logger="stagefeed.consumer.intake")
     idle = _peer(intake)
     _hello(idle, name="idle")
     idle.send(protocol.encode_control("end", seq=0))

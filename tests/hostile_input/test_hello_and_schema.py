@@ -28,7 +28,7 @@ from tests.hostile_input.harness import (
 
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
 
-LIVE_CONNECTIONS = 256  # consumer/intake/intake.py MAX_LIVE_CONNECTIONS
+LIVE_CONNECTIONS = 256  # consumer/intake/dispatch.py MAX_LIVE_CONNECTIONS
 PRODUCER_TIMEOUT_S = 10.0  # the default of --producer-timeout-s
 TRAINER_SCHEMA = image_schema(batch_size=2)
 

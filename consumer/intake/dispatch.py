@@ -1,0 +1,251 @@
+"""What each producer message does to the trainer's state: the protocol's rules, in one place.
+
+``Dispatch`` runs on the intake thread only (``consumer.intake.intake`` owns the socket and the
+threads and hands it each received message); nothing here blocks. It admits hellos
+(schema, connection limit, credit and, with shared memory, a pool token), checks batches and
+gives each a verdict, books ``end`` with its reason, grants credit, routes slot releases back,
+forgets silent connections, and keeps the end-of-data rule (``data_ended``).
+
+Invariants: a batch that took a credit returns it whatever its checks say, and its producer
+gets a verdict (``dropped`` with the reason) unless it was handed to the enqueue threads; a
+refused hello is answered with ``refused`` and the reason; every drop is booked by reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from stagefeed.common import protocol
+from stagefeed.common.curve import key_fingerprint
+from stagefeed.common.errors import DropReason, ProtocolError
+from stagefeed.common.ledger import Ledger
+from stagefeed.common.options import TrainerOptions
+from stagefeed.common.schema import Schema, schema_difference
+from stagefeed.common.throttle import LogThrottle
+from stagefeed.consumer.intake.connections import Connections
+from stagefeed.consumer.intake.shm_gate import ShmGate
+
+log = logging.getLogger(__name__)
+
+MAX_LIVE_CONNECTIONS = 256
+# A batch for the enqueue threads: (routing id, ledger index, seq, arrays).
+Handoff = queue.Queue[tuple[bytes, int, int, dict[str, Any]]]
+
+
+class Dispatch:
+    """The intake thread's handling of messages (see the module docstring)."""
+
+    def __init__(
+        self,
+        options: TrainerOptions,
+        schema: Schema,
+        ledger: Ledger,
+        handoff: Handoff,
+        credit_pool: int,
+        shm: ShmGate | None,
+    ) -> None:
+        self.options = options
+        self.schema = schema
+        self._ledger = ledger
+        self._handoff = handoff
+        self.credit_pool = credit_pool
+        self.shm = shm
+        self.conns = Connections(
+            credit_pool, options.credit_per_producer, MAX_LIVE_CONNECTIONS,
+            options.producer_timeout_s,
+        )  # fmt: skip
+        self._granting = threading.Event()  # cleared by stop_granting(): no credit goes out
+        self._granting.set()
+        self._internal_log = LogThrottle()
+        self._delivered_and_ended = False  # a producer that delivered said end (see below)
+        self._data_ended = threading.Event()
+
+    def log_internal(self) -> None:
+        """Log the exception being handled, in full, at most every few seconds: ``internal``
+        is a defect to fix, never a verdict a peer can make the trainer give at will."""
+        if self._internal_log.due():
+            log.exception("unexpected error while handling a message (dropped)")
+
+    def handle(
+        self, router: zmq.Socket, routing_id: bytes, frames: list[zmq.Frame], user_id: str | None
+    ) -> None:
+        header = protocol.decode_header(frames[0], protocol.FROM_PRODUCER)
+        kind = header["t"]
+        if kind == "hello":
+            self._on_hello(router, routing_id, header, user_id)
+            return
+        conn = self.conns.get(routing_id)
+        if conn is None:
+            detail = "this connection has not said hello (trainer restarted?)"
+            if kind == "batch":  # the producer can count exactly what was lost
+                self.reply(router, routing_id, "dropped", seq=header["seq"],
+                            reason=DropReason.NO_HELLO.value, detail=detail)  # fmt: skip
+            self.reply(
+                router, routing_id, "refused", reason=DropReason.NO_HELLO.value, detail=detail
+            )
+            raise ProtocolError(DropReason.NO_HELLO, f"{kind} before hello")
+        self.conns.seen(conn)
+        if kind == "batch":
+            self._on_batch(router, conn, header, lambda: protocol.decode_batch(header, frames))
+        elif kind == "shm_batch":
+            self._on_batch(router, conn, header, lambda: self._shm_batch(conn, header))
+        elif kind == "end":  # the producer's bye, and why (protocol.end_reason)
+            self._ledger.ended(conn.index, header["seq"], *protocol.end_reason(header))
+            self.conns.end(conn)
+            if self.shm is not None:
+                self.shm.ended(conn.routing_id)
+            # Only a producer that delivered can end the data: a peer that said hello and
+            # end at once must not stop a trainer that no producer has reached yet.
+            if self._ledger.delivered(conn.index):
+                self._delivered_and_ended = True
+
+    def _on_hello(
+        self, router: zmq.Socket, routing_id: bytes, header: dict, user_id: str | None
+    ) -> None:
+        name = protocol.check_producer_name(header["name"])
+        session = protocol.check_session(header)
+        declared = protocol.schema_of_hello(header)
+        if declared is not None and declared != self.schema:
+            detail = schema_difference(self.schema, declared)
+            self._ledger.refused(name, DropReason.SPEC_MISMATCH.value, detail)
+            self.reply(
+                router, routing_id, "refused", reason=DropReason.SPEC_MISMATCH.value, detail=detail
+            )
+            return
+        conn = self.conns.get(routing_id)
+        if conn is None:
+            index = None if self.conns.full() else self._ledger.open(
+                name if user_id is None else f"{name} {key_fingerprint(user_id)}", session
+            )
+            if index is None:
+                detail = f"the trainer serves {MAX_LIVE_CONNECTIONS} connections at most"
+                self._ledger.refused(name, DropReason.PEER_LIMIT.value, detail)
+                self.reply(
+                router, routing_id, "refused", reason=DropReason.PEER_LIMIT.value, detail=detail
+            )
+                return
+            conn = self.conns.add(routing_id, index, name)
+        self.conns.seen(conn)
+        granting = self._granting.is_set()
+        grants = dict((c.routing_id, n) for c, n in self.conns.grants()) if granting else {}
+        credit = grants.pop(routing_id, 0)
+        wants_shm = self.shm is not None and header.get("shm") is True
+        shm = self.shm.offer(routing_id, conn.index) if wants_shm else {}
+        self.reply(
+            router, routing_id, "welcome", schema=self.schema.to_dict(),
+            max_message=self.options.max_message_bytes, credit=credit, **shm,
+        )  # fmt: skip
+        for rid, n in grants.items():
+            self.reply(router, rid, "credit", n=n)
+
+    def _on_batch(
+        self, router: zmq.Socket, conn, header: dict, decode: Callable[[], protocol.Batch]
+    ) -> None:
+        seq = header["seq"]
+        if not self.conns.use_credit(conn):
+            self._refuse_batch(router, conn, seq, DropReason.NO_CREDIT, "sent without credit")
+            return
+        # From here the batch holds a credit: however its checks fail, the credit returns
+        # and the producer gets a verdict.
+        try:
+            batch = decode()
+            protocol.check_against_schema(batch, self.schema)
+        except ProtocolError as exc:
+            self.conns.finished(conn.routing_id)
+            self._refuse_batch(router, conn, seq, exc.reason, exc.detail)
+            return
+        except Exception:  # noqa: BLE001 - a defect: logged, and the batch still answered
+            self.log_internal()
+            self.conns.finished(conn.routing_id)
+            self._refuse_batch(router, conn, seq, DropReason.INTERNAL, "unexpected error")
+            return
+        reason = self._ledger.accept(conn.index, seq, batch.nbytes)
+        if reason is not None:
+            self.conns.finished(conn.routing_id)
+            self.reply(router, conn.routing_id, "dropped", seq=seq, reason=reason.value,
+                        detail=f"seq {seq}")  # fmt: skip
+            return
+        if header["t"] == "shm_batch":
+            self.shm.batches += 1
+        self._handoff.put_nowait((conn.routing_id, conn.index, seq, batch.arrays))
+
+    def _shm_batch(self, conn, header: dict) -> protocol.Batch:
+        if self.shm is None:
+            raise ProtocolError(DropReason.SHM_POOL, "this trainer maps no pools (--transport zmq)")
+        return self.shm.batch(conn.routing_id, header)
+
+    def send_releases(self, router: zmq.Socket) -> None:
+        """Slots TensorFlow let go of, back to their producers (the finalizers queued them)."""
+        if self.shm is None:
+            return
+        for routing_id, pool, slot, gen in self.shm.releases():
+            self.reply(router, routing_id, "release", pool=pool, slot=slot, gen=gen)
+
+    def _refuse_batch(self, router, conn, seq: int, reason: DropReason, detail: str) -> None:
+        self._ledger.drop(reason, f"producer {conn.name}: {detail}", conn.index)
+        self.reply(
+            router, conn.routing_id, "dropped", seq=seq, reason=reason.value, detail=detail
+        )
+
+    def data_ended(self) -> bool:
+        """True once a producer that delivered (a valid batch booked on its connection, or on
+        an earlier connection of its run) said ``end``, every live connection has said
+        ``end``, and every batch received has left the intake (enqueued or dropped). An
+        ``end`` from a connection that delivered nothing ends nothing: a run that has
+        received no batch never ends for lack of data (docs/guarantees.md).
+        """
+        return self._data_ended.is_set()
+
+    def update_data_ended(self) -> None:
+        live = self.conns.live()
+        ended = (
+            self._delivered_and_ended
+            and all(c.ended for c in live)
+            and self.conns.available == self.credit_pool
+        )
+        if ended:
+            self._data_ended.set()
+        else:
+            self._data_ended.clear()
+
+    def expire(self, router: zmq.Socket) -> None:
+        for conn in self.conns.revoke_hoarded():
+            log.info("producer %s held credit unused for %.0f s while others waited: revoked",
+                     conn.name, self.conns.timeout_s)  # fmt: skip
+            self.reply(router, conn.routing_id, "refused", reason=DropReason.NO_HELLO.value,
+                        detail="credit unused while others waited: say hello again")  # fmt: skip
+            self._ledger.forget_if_idle(conn.index)
+        for conn in self.conns.expire():
+            if self.shm is not None:
+                self.shm.forget(conn.routing_id)
+            if self._ledger.forget_if_idle(conn.index):
+                log.debug("connection %s went away without delivering", conn.name)
+            elif not conn.ended:
+                log.info("producer %s silent for %.0f s: forgotten", conn.name,
+                         self.conns.timeout_s)  # fmt: skip
+
+    def stop_granting(self) -> None:
+        """Grant no more credit (before the queue closes): at most the credit pool is then
+        received and not enqueued at stop.
+        """
+        self._granting.clear()
+
+    def send_grants(self, router: zmq.Socket) -> None:
+        if not self._granting.is_set():
+            return
+        for conn, n in self.conns.grants():
+            self.reply(router, conn.routing_id, "credit", n=n)
+
+    @staticmethod
+    def reply(router: zmq.Socket, routing_id: bytes, kind: str, **fields: Any) -> None:
+        # ROUTER drops a message to a peer that is gone or full: a reply can never block.
+        try:
+            router.send_multipart([routing_id, protocol.encode_control(kind, **fields)],
+                                  flags=zmq.NOBLOCK)  # fmt: skip
+        except zmq.Again:
+            pass
