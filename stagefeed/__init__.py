@@ -2,9 +2,10 @@
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
 this package without TensorFlow: the trainer-side names (``Feed``, ``ServedFeed``,
-``Trainer``, ``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and
-``keep_freed_memory``) are loaded on first use (PEP 562); all but the step records and
-``keep_freed_memory`` import TensorFlow.
+``Trainer``, ``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer``,
+``keep_freed_memory`` and the ``--model`` marks ``graph_model`` / ``keras_model``) are loaded
+on first use (PEP 562); all but the step records, ``keep_freed_memory`` and the marks import
+TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 ``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
@@ -46,7 +47,9 @@ _LAZY = {
     "StepRecord": "stagefeed.consumer.trainer_base",
     "Trainer": "stagefeed.consumer.graph.trainer",
     "cast_layer": "stagefeed.consumer.keras_fit.callback",
+    "graph_model": "stagefeed.consumer.model_ref",  # no TensorFlow
     "keep_freed_memory": "stagefeed.consumer.memory.malloc_policy",  # no TensorFlow
+    "keras_model": "stagefeed.consumer.model_ref",  # no TensorFlow
 }
 _WITH_TENSORFLOW = {"Feed", "KerasTrainer", "ServedFeed", "Trainer", "cast_layer"}
 
@@ -72,8 +75,10 @@ __all__ = [
     "TrainerOptions",
     "__version__",
     "cast_layer",
+    "graph_model",
     "image_schema",
     "keep_freed_memory",
+    "keras_model",
     "load_schema",
 ]
 assert __all__ == sorted(__all__), "keep __all__ sorted"

@@ -83,7 +83,8 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add(
         g, "--model", default="alexnet",
         help="alexnet, or module:NAME: a graph model_fn(staged, schema), or build(schema) "
-        "returning a compiled Keras model (trained with model.fit)",
+        "returning a compiled Keras model (trained with model.fit); one that could be either: "
+        "mark it @stagefeed.graph_model or @stagefeed.keras_model",
     )  # fmt: skip
     envflags.add(
         g, "--targets", default=None,
