@@ -10,9 +10,11 @@ STAMP := $(VENV)/.stagefeed-installed
 
 .PHONY: run test lint venv bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/k8s-renderer.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[$(TF_EXTRA),dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		--ignore-requires-python --require-hashes -r tests/k8s-renderer.txt
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -2,7 +2,7 @@
 
 The graph mode (``bench.stagefeed_mode``, the real ``Trainer``) and the Keras mode
 (``bench.keras_stagefeed``, the real ``ServedFeed``) bind the same kind of endpoint for
-``--transport``, start the same ``producer.pool.ProducerPool`` and count the same threads and
+``--transport``, start the same ``producer.pool.Producers`` and count the same threads and
 processes as the feed path's CPU. No TensorFlow here.
 
 Lifecycle: ``Loopback(config)`` (picks the endpoint) -> ``trainer_options(...)`` for the
@@ -20,7 +20,7 @@ from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.cpu import process_cpu_s, sum_cpu_s, threads_cpu_s
 from stagefeed.common.options import MIB, ProducerOptions, TrainerOptions
 from stagefeed.consumer.devices import is_gpu
-from stagefeed.producer.pool import ProducerPool
+from stagefeed.producer.pool import Producers
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Loopback:
             self.bind = f"ipc://{self._ipc_path}"
         else:
             self.bind = "tcp://127.0.0.1:*"
-        self.pool: ProducerPool | None = None
+        self.pool: Producers | None = None
 
     @property
     def trainer_transport(self) -> str:
@@ -78,7 +78,7 @@ class Loopback:
             **extra,
         )
 
-    def start_producers(self, endpoint: str) -> ProducerPool:
+    def start_producers(self, endpoint: str) -> Producers:
         """``config.producers`` producer processes of the synthetic source, connected."""
         config, schema = self.config, self.config.schema
         options = ProducerOptions(
@@ -88,7 +88,7 @@ class Loopback:
             inflight_mb=PRODUCER_UNSENT_BATCHES * schema.batch_bytes / MIB,
             transport=self.trainer_transport,
         )
-        self.pool = ProducerPool(options, logging.getLogger().level).start()
+        self.pool = Producers(options, logging.getLogger().level).start()
         return self.pool
 
     def feed_cpu_s(self) -> float | None:

@@ -46,7 +46,7 @@ from stagefeed.common.schema import Schema
 from stagefeed.consumer.graph.trainer import Trainer
 from stagefeed.consumer.memory import malloc_policy
 from stagefeed.consumer.trainer_base import StepRecord
-from stagefeed.producer.pool import ProducerPool, pool_check
+from stagefeed.producer.pool import Producers, pool_check
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def raw_peer(transport: str) -> str:
     return "tcp" if transport == "shm" else transport
 
 
-def _feed_cpu_s(pool: ProducerPool | None) -> float | None:
+def _feed_cpu_s(pool: Producers | None) -> float | None:
     """CPU seconds of the feed path so far (module docstring); None without psutil."""
     if pool is None:
         return None
@@ -109,7 +109,7 @@ class _Clock:
         self.all_seen_at_step: int | None = None
         self.start_at: float | None = None
         self.timed: list[StepRecord] = []
-        self.pool: ProducerPool | None = None
+        self.pool: Producers | None = None
         self.books: Callable[[], Books] | None = None  # the trainer's ledger reads
         self.cpu_s: list[float | None] = []  # the feed path's, at the window's start and end
         self.window_books: Books | None = None  # the ledger when the last timed step ended
@@ -175,10 +175,10 @@ def measure_stagefeed(
     clock = _Clock(producers, buffered + 2, count, stop)
     trainer = Trainer(options, [clock], model_fn=trivial_model_fn)
     clock.books = trainer.reader.books
-    pool: ProducerPool | None = None
+    pool: Producers | None = None
     try:
         trainer.start()
-        pool = ProducerPool(
+        pool = Producers(
             ProducerOptions(
                 connect=trainer.endpoint,
                 workers=producers,

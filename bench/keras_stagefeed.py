@@ -2,7 +2,7 @@
 
 Nothing is reimplemented: ``consumer.tf2.served_feed.ServedFeed`` (the intake, the eager FIFOQueue,
 the tf.data pipeline ending in the device buffer, the books) is fed by real producer processes
-(``producer.pool.ProducerPool``) over ``--transport``, exactly as a Keras user's trainer is, and
+(``producer.pool.Producers``) over ``--transport``, exactly as a Keras user's trainer is, and
 ``fit`` gets the feed's booking callback as a user's would. The dataset hands Keras
 ``(images, labels)`` in their wire dtypes (``cast="step"``): the model's first layer casts uint8
 images on the training device, as in the other Keras modes.

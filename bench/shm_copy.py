@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 from stagefeed.common.shm.layout import SlotLayout
-from stagefeed.common.shm.mapped import MappedPool
+from stagefeed.common.shm.mapped import Descriptor, MappedPool
 from stagefeed.common.shm.slots import SlotPool
 
 
@@ -59,7 +59,7 @@ def run(batch_size: int = 256, windows: int = 3, reps: int = 5) -> dict[str, Any
         return pool.commit(slot, seq)
 
     def consume(desc: dict[str, Any]) -> None:
-        views = mapped.view(desc)
+        views = mapped.view(Descriptor.parse(desc))
         del views  # last reference: the finalizer releases the slot
 
     def produce_consume(write: Callable[[np.ndarray], Any]) -> Callable[[], None]:

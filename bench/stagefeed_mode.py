@@ -2,7 +2,7 @@
 
 ``consumer.graph.trainer.Trainer`` (intake, FIFOQueue, StagingArea,
 ``consumer.graph.alexnet.model_fn``) and
-``producer.pool.ProducerPool`` run as in ``stagefeed run``; nothing is reimplemented. The
+``producer.pool.Producers`` run as in ``stagefeed run``; nothing is reimplemented. The
 trainer's loop runs on its own thread ("bench-stagefeed-train") and a gate observer holds it
 after every step until ``step()`` asks for the next one, so steps run only when this mode is
 being timed. A step's time is the trainer's own: wait for a batch + ``session.run``.

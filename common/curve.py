@@ -24,6 +24,7 @@ permissions, not by CURVE.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -34,6 +35,7 @@ import zmq.auth
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,18 @@ AUTHORIZED = "authorized_clients"
 AUTH_THREAD_NAME = "stagefeed-curve-auth"
 STOP_TIMEOUT_S = 3.0
 MIN_RCVHWM = 2
+
+
+def key_fingerprint(public_key: str | bytes) -> str:
+    """``key 3fa9c2e1``: how books, logs and ``keygen`` name a producer's CURVE public key (z85
+    text, as ZAP gives it): the first 8 hex digits of its SHA-256. A slice of the z85 text
+    would read as line noise (``Ltpb.N$}``) and could hold ``#`` or spaces."""
+    text = public_key.decode("ascii") if isinstance(public_key, bytes) else public_key
+    try:
+        raw = z85.decode(text) if len(text) == 40 else text.encode("utf-8", "replace")
+    except ValueError:
+        raw = text.encode("utf-8", "replace")
+    return "key " + hashlib.sha256(raw).hexdigest()[:8]
 
 
 def load_key_pair(path: str) -> tuple[bytes, bytes]:

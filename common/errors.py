@@ -48,6 +48,12 @@ class NonFiniteLoss(StagefeedError):
 
 
 EXIT_NON_FINITE = 4
+# Exit codes of ``train`` and ``run`` (docs/guarantees.md "Exit codes"): 2 a bad flag, schema,
+# source or model (one line, also when a producer's source fails mid-run); 3 something broke;
+# 4 a non-finite loss; 5 the data ended before the planned steps and ``--require-full-run``.
+EXIT_CONFIG = 2
+EXIT_BROKEN = 3
+EXIT_SHORT_RUN = 5
 
 
 class DropReason(enum.StrEnum):

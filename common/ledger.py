@@ -38,6 +38,7 @@ MAX_REFUSED_NAMES = 256
 # A sequence number more than this far past a connection's highest, or below its first, is
 # refused and does not move its window (one connection delivers in order; this is forged).
 MAX_SEQ_AHEAD = 1 << 16
+MAX_LEFT = 16  # producers that left for a reason other than ``ok``, kept for the summary
 
 
 @dataclasses.dataclass
@@ -56,6 +57,8 @@ class ProducerStats:
     trained: int = 0
     abandoned: int = 0  # dequeued by a dataset iterator that was dropped before training them
     ended_after: int | None = None  # the producer's ``end``: batches it sent on this connection
+    end_reason: str | None = None  # why its first ``end`` said it left (``protocol.END_*``)
+    end_detail: str = ""  # the error it left with: one sanitised line
     sequence: SequenceTracker = dataclasses.field(default_factory=SequenceTracker)
     trained_sequence: SequenceTracker = dataclasses.field(default_factory=SequenceTracker)
     drops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -110,6 +113,7 @@ class Books:
     dropped: Mapping[str, int] = dataclasses.field(default_factory=dict)  # by reason
     peer_events: Mapping[str, int] = dataclasses.field(default_factory=dict)
     refused: Mapping[str, int] = dataclasses.field(default_factory=dict)  # hellos, by reason
+    ended: Mapping[str, int] = dataclasses.field(default_factory=dict)  # producers' ends, by reason
 
     @property
     def delivering(self) -> int:
@@ -137,6 +141,8 @@ class Ledger:
         self._refused: dict[str, collections.Counter[str]] = {}
         self._log_throttle = LogThrottle()  # a junk flood must not flood the log
         self._peer_events: collections.Counter[str] = collections.Counter()
+        self._ended: collections.Counter[str] = collections.Counter()  # connections, by reason
+        self._left: collections.deque[dict] = collections.deque(maxlen=MAX_LEFT)
 
     def open(self, label: str, session: str | None = None) -> int | None:
         """A new entry for a connection that said hello; None when the books are full.
@@ -157,6 +163,11 @@ class Ledger:
             )
         log.info("producer %s connected (index %d)", key, index)
         return index
+
+    def name(self, index: int) -> str:
+        """The books' name of entry ``index`` (its row in ``summary()``); KeyError if none."""
+        with self._lock:
+            return self._entries[index].key
 
     def forget_if_idle(self, index: int) -> bool:
         """Drop the entry of a connection that went away having delivered nothing."""
@@ -207,10 +218,32 @@ class Ledger:
                 return
         log.warning("refused producer %s (%s, %d so far): %s", name, reason, total, detail)
 
-    def ended(self, index: int, count: int) -> None:
+    def ended(self, index: int, count: int, reason: str = "ok", detail: str = "") -> None:
+        """Book entry ``index``'s ``end`` (``count`` batches sent) and why it left: ``reason``
+        (``protocol.END_*``) and ``detail`` (one sanitised line) of its first ``end``, counted
+        once per connection. Logged at each first ``end``; repeats throttled (no flood)."""
         with self._lock:
-            self._entries[index].ended_after = count
-        log.info("producer %s: end of data after %d batches", self._entries[index].key, count)
+            stats = self._entries[index]
+            stats.ended_after = count
+            first = stats.end_reason is None
+            if first:
+                stats.end_reason, stats.end_detail = reason, detail
+                self._ended[reason] += 1
+                if reason != "ok":
+                    self._left.append({"producer": stats.key, "reason": reason,
+                                       "detail": detail, "ended_after": count})  # fmt: skip
+            reason, detail = stats.end_reason, stats.end_detail
+            if not (first or self._log_throttle.due("end:again")):
+                return
+        why, level = (
+            (reason, logging.INFO) if reason == "ok" else (f"{reason}: {detail}", logging.WARNING)
+        )
+        log.log(level, "producer %s: end of data after %d batches (%s)", stats.key, count, why)
+
+    def left(self) -> list[dict]:
+        """The latest ``MAX_LEFT`` non-``ok`` ends, oldest first (kept past their entry)."""
+        with self._lock:
+            return list(self._left)
 
     def enqueued(self, index: int) -> None:
         with self._lock:
@@ -225,8 +258,7 @@ class Ledger:
                 stats.trained_sequence.record(int(seq))
 
     def peer_event(self, name: str) -> None:
-        """Book a connection event of the bound socket (``consumer.intake.socket_events`` names "
-        "them)."""
+        """Book a connection event of the bound socket (named by ``intake.socket_events``)."""
         with self._lock:
             self._peer_events[name] += 1
 
@@ -245,12 +277,8 @@ class Ledger:
             stats = self._entries.get(index)
             if stats is None:
                 return False
-            return stats.received > 0 or (
-                stats.session is not None
-                and any(
-                    s.session == stats.session and s.received > 0 for s in self._entries.values()
-                )
-            )
+            run = [s.received for s in self._entries.values() if s.session == stats.session]
+            return stats.received > 0 or (stats.session is not None and any(run))
 
     def _gaps(self) -> dict[int, int]:
         """Sequence numbers lost between two connections of one producer run (a cut
@@ -292,6 +320,7 @@ class Ledger:
                 dropped=self._drops_by_reason(),
                 peer_events=dict(self._peer_events),
                 refused=self._refusals_by_reason(),
+                ended=dict(self._ended),
             )
 
     def drops_by_reason(self) -> dict[str, int]:
@@ -317,15 +346,13 @@ class Ledger:
             not_enqueued=sum(s.not_enqueued for s in entries),
         )
 
-    def _drops_by_reason(self) -> dict[str, int]:
-        """Lock held."""
+    def _drops_by_reason(self) -> dict[str, int]:  # lock held
         out: collections.Counter[str] = collections.Counter(self._unidentified)
         for s in self._entries.values():
             out.update(s.drops)
         return dict(out)
 
-    def _refusals_by_reason(self) -> dict[str, int]:
-        """Lock held."""
+    def _refusals_by_reason(self) -> dict[str, int]:  # lock held
         out: collections.Counter[str] = collections.Counter()
         for counts in self._refused.values():
             out.update(counts)
@@ -357,6 +384,8 @@ class Ledger:
                     "not_enqueued": s.not_enqueued,
                     "dropped": dict(s.drops),
                     "ended_after": s.ended_after,
+                    "end_reason": s.end_reason,
+                    "end_detail": s.end_detail,
                     "seq_first": s.sequence.lowest,
                     "seq_last": s.sequence.highest,
                     "seq_missing": s.sequence.missing + gaps.get(s.index, 0),
@@ -365,11 +394,8 @@ class Ledger:
                     "active_s": round(max(s.last_seen - s.first_seen, 0.0), 3),
                 }
             if self._unidentified:
-                out[UNIDENTIFIED] = {
-                    "received": 0,
-                    "trained": 0,
-                    "dropped": dict(self._unidentified),
-                }
+                dropped = dict(self._unidentified)
+                out[UNIDENTIFIED] = {"received": 0, "trained": 0, "dropped": dropped}
             return out
 
     def _log_drop(self, reason: DropReason, detail: str) -> None:

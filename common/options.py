@@ -22,6 +22,7 @@ DEVICES = ("auto", "cpu", "gpu")
 TRANSPORTS = ("zmq", "shm", "auto")
 UNIX_PATH_MAX = 107  # bytes of an AF_UNIX socket path (sun_path, less the terminating NUL)
 MIB = 2**20
+SHORT_BATCH = ("refuse", "drop")  # what a producer does with a source's short batch
 ON_NAN = ("stop", "warn")  # what a non-finite loss does: stop training (exit 4), or warn
 MAX_UNSENT = 64  # batches a producer holds at most, however small: credit bounds sends anyway
 
@@ -94,6 +95,9 @@ class ProducerOptions:
     seed: int = 0
     curve_keys: str | None = None  # directory written by ``stagefeed keygen``
     transport: str = "zmq"  # "shm": pool slots or fail; "auto": pool slots where they work
+    # A source's short batch (fewer rows than the batch size): "refuse" (ConfigError, exit 2)
+    # or "drop" (logged and counted), like tf.data's drop_remainder. Never padded.
+    short_batch: str = "refuse"
 
     def __post_init__(self) -> None:
         check_endpoint("connect", self.connect)
@@ -108,6 +112,10 @@ class ProducerOptions:
         check_number("seed", self.seed, zero_ok=True, integer=True)
         if self.source != "synthetic" and not re.fullmatch(r"[\w.]+:\w+", self.source):
             raise ConfigError(f"source must be 'synthetic' or module:function, got {self.source!r}")
+        if self.short_batch not in SHORT_BATCH:
+            raise ConfigError(
+                f"short_batch must be one of {', '.join(SHORT_BATCH)}, got {self.short_batch!r}"
+            )
 
     def max_unsent(self, schema: Schema) -> int:
         """Batches of ``schema`` a producer may have handed over and not yet seen released."""
@@ -127,7 +135,7 @@ class TrainerOptions:
 
     With ``transport`` ``shm``/``auto`` the same counts hold, in batches, but what is queued,
     staged and in flight from same-host producers are views of their pools: each pool holds
-    ``shm_pool.pool_slots(queue_capacity, stage_depth, credit_per_producer, shm_producers)``
+    ``common.shm.sizing.pool_slots(queue_capacity, stage_depth, credit, producers)``
     slots (docs/shm.md "The transport as built").
     """
 
@@ -157,6 +165,8 @@ class TrainerOptions:
     save_dir: str | None = None  # what was trained is saved here at the end (docs/tf2.md)
     checkpoint_every: int = 0  # steps between checkpoints under save_dir/checkpoints; 0: none
     on_nan: str = "stop"  # a non-finite loss: "stop" (NonFiniteLoss) or "warn" and go on
+    # A run whose data ends before ``total_steps`` exits EXIT_SHORT_RUN (5), not 0.
+    require_full_run: bool = False
     # Keras models: the arrays fit gets as targets (y); None: every array that is not an input.
     targets: tuple[str, ...] | None = None
 
@@ -201,6 +211,8 @@ class TrainerOptions:
         ):
             raise ConfigError(f"model must be 'alexnet' or module:NAME, got {self.model!r}")
         self._check_run_length()
+        if type(self.require_full_run) is not bool:
+            raise ConfigError(f"require_full_run must be a bool, got {self.require_full_run!r}")
         if self.on_nan not in ON_NAN:
             raise ConfigError(f"on_nan must be one of {', '.join(ON_NAN)}, got {self.on_nan!r}")
         if self.save_dir is not None and (not isinstance(self.save_dir, str) or not self.save_dir):
@@ -266,3 +278,36 @@ class TrainerOptions:
         if self.max_message_mb:
             return int(self.max_message_mb * MIB)
         return self.schema.batch_bytes + MIB
+
+
+# What one producer-to-trainer link carries, MB/s, when nobody says (the advice's yardstick):
+# loopback ZeroMQ carried about 1.5 GB/s in one stream on the project's machines
+# (docs/observability.md); a real network link is set with --wire-mb-s.
+DEFAULT_WIRE_MB_S = 1400.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveOptions:
+    """What to show and export. A bad value raises ``ConfigError`` naming it."""
+
+    progress_s: float = 5.0  # seconds between progress log lines (terminal: 0.5 s)
+    logdir: str | None = None  # TensorBoard event files go here
+    metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
+    # Loopback unless told: producer ids and the trainer's figures are not for every network.
+    metrics_bind: str = "127.0.0.1"
+    metrics_producer_labels: bool = False  # per-producer series, labelled with producer ids
+    advice_s: float = 300.0  # seconds between advice lines during a run
+    wire_mb_s: float = DEFAULT_WIRE_MB_S  # what the producers' link carries (advice only)
+    tensorboard_s: float = 2.0  # seconds between TensorBoard flushes
+
+    def __post_init__(self) -> None:
+        for name in ("progress_s", "advice_s", "wire_mb_s", "tensorboard_s"):
+            check_number(name, getattr(self, name))
+        port = self.metrics_port
+        if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ConfigError(f"metrics_port must be in [0, 65535], got {port!r}")
+        if self.logdir is not None and not self.logdir.strip():
+            raise ConfigError(f"logdir must name a directory, got {self.logdir!r}")
+        why = endpoints.host_problem(self.metrics_bind, wildcard_ok=False)
+        if why:
+            raise ConfigError(f"metrics_bind {self.metrics_bind!r}: {why}")

@@ -13,7 +13,16 @@ producer:
 - ``shm_batch`` ``{"seq": int, "desc": {"pool", "slot", "gen", "seq"}}``: a batch committed in
   a slot of the producer's shared-memory pool (one frame, no data). Sent only against credit,
   like ``batch``; ``desc`` is checked by ``common.shm.mapped`` (``shm_*`` drop reasons).
-- ``end``    ``{"seq": int}``: the source ended after ``seq`` batches (0..seq-1).
+- ``end``    ``{"seq": int[, "reason": str, "detail": str]}``: the producer's bye: it has sent
+  its last batch, ``seq`` batches (0..seq-1), and says why it leaves. Without ``reason`` (the
+  form every producer sent before reasons existed, and the one a producer still sends when its
+  source simply ended) the reason is ``ok``. ``source_error``: the source failed (a
+  ``SchemaMismatch``, an exception of user code); the batches before the failure were
+  delivered, and ``detail`` is the error's text, one printable line of at most
+  ``MAX_DETAIL_LEN`` characters. A trainer books any other reason as ``other``
+  (``end_reason``). Compatibility, both ways: a trainer from before reasons drops an ``end``
+  that carries one (``header_fields``), which is what it saw of a failed producer then (no
+  ``end`` at all); a normal end is the same message as ever.
 - ``ping``   ``{}``: still here (sent while idle, so the trainer keeps its credit).
 
 From the trainer:
@@ -64,6 +73,11 @@ MAX_DETAIL_LEN = 300
 MAX_PRODUCER_NAME = 64
 FROM_PRODUCER = frozenset(["hello", "batch", "shm_batch", "end", "ping"])
 FROM_TRAINER = frozenset(["welcome", "refused", "credit", "dropped", "release", "bye"])
+# Why a producer said ``end`` (its bye): values are stable, they label a metric.
+END_OK = "ok"
+END_SOURCE_ERROR = "source_error"
+END_OTHER = "other"  # a reason this trainer does not know (a newer or a hostile peer)
+END_REASONS = frozenset([END_OK, END_SOURCE_ERROR])
 # Keys of each kind besides "v" and "t", with the Python types they must have.
 _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {"name": (str,), "schema": (dict, type(None))},
@@ -82,6 +96,7 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 # is accepted).
 _OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
     "hello": ({"shm": (bool,)}, {"session": (str,)}),
+    "end": ({"reason": (str,), "detail": (str,)},),
     "welcome": ({"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},),
 }
 SESSION = re.compile(r"[0-9a-f]{32}")
@@ -263,6 +278,19 @@ def schema_of_hello(header: Mapping[str, Any]) -> Schema | None:
         return Schema.from_dict(declared, source="hello schema")
     except ConfigError as exc:
         raise ProtocolError(DropReason.HELLO, str(exc)[:MAX_DETAIL_LEN], "hello") from None
+
+
+def one_line(text: str, limit: int = MAX_DETAIL_LEN) -> str:
+    """Text (an error's, or a peer's detail) as one printable line of at most ``limit``
+    characters: what a log line or a summary may quote of it."""
+    return "".join(c if c.isprintable() else " " for c in text[:limit])
+
+
+def end_reason(header: Mapping[str, Any]) -> tuple[str, str]:
+    """``(reason, detail)`` of a decoded ``end``: ``ok`` without a reason, ``other`` for one
+    not in ``END_REASONS``; the detail sanitised (``one_line``)."""
+    reason = header.get("reason", END_OK)
+    return (reason if reason in END_REASONS else END_OTHER), one_line(header.get("detail", ""))
 
 
 def check_producer_name(name: str) -> str:

@@ -13,9 +13,10 @@ atomically (a temporary file renamed over it), so a checkpoint is complete or ha
 file, whatever kills the writer. The state holds the step, the epoch and the run's settings;
 ``input`` is where the input position will go (resume, ``docs/resume.md`` once it exists).
 
-Who writes: the chief (``is_chief``). Another worker of a cluster saves its model to a
-temporary directory that is removed at once (TensorFlow's multi-worker pattern: saving may
-need every worker's part in a collective), and writes no state.
+Who writes: the chief (``is_chief``, from ``common.tf_config``: TF_CONFIG's rules). Another
+worker of a cluster saves its model to a temporary directory that is removed at once
+(TensorFlow's multi-worker pattern: saving may need every worker's part in a collective), and
+writes no state.
 
 A directory that already holds a run's model or checkpoints is refused at start
 (``check_save_dir``, before TensorFlow loads): until a run can resume from them, nothing
@@ -38,6 +39,7 @@ from typing import Any
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import is_chief
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +72,6 @@ def check_save_dir(save_dir: str) -> None:
             f"--save {save_dir!r} already holds a run's {found[0]}: this run would overwrite "
             "it (stagefeed cannot resume from it yet); choose another directory or remove it"
         )
-
-
-def is_chief(tf_config: str | None = None) -> bool:
-    """Whether this process writes the cluster's files: no ``TF_CONFIG`` (a single worker),
-    the ``chief`` task, or worker 0 of a cluster without a chief."""
-    text = os.environ.get("TF_CONFIG") if tf_config is None else tf_config
-    if not text:
-        return True
-    try:
-        config = json.loads(text)
-        task, cluster = config.get("task") or {}, config.get("cluster") or {}
-        kind, index = task.get("type", "worker"), int(task.get("index", 0))
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"TF_CONFIG is not a TensorFlow cluster configuration: {exc}") from None
-    if kind == "chief":
-        return True
-    return kind == "worker" and index == 0 and "chief" not in cluster
 
 
 class Checkpoints:

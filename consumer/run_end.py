@@ -8,7 +8,9 @@
 - ``STOP``: a stop was requested (the ``stop`` event: a signal, the user). The run ends now;
   what is queued stays queued and is booked as such.
 - ``DRAIN``: the data ended: every producer that delivered said ``end`` and every batch they
-  sent is in the queue (``data_ended``, the intake's rule, docs/guarantees.md). Or every
+  sent is in the queue (``data_ended``, the intake's rule, docs/guarantees.md), and that held
+  for ``end_grace_s`` (0 for the CLI trainers; ``ServedFeed`` waits a little for producers
+  that start late: a new hello in the grace makes ``data_ended`` false again). Or every
   producer process ended without saying so (a check raised ``ClosedError``), and
   ``gone_grace_s`` passed for their last batches to reach the queue. The queued tail is
   trained, then the run ends.
@@ -70,15 +72,18 @@ class RunEnd:
         checks: Sequence[Callable[[], None]] = (),
         gone_grace_s: float = GONE_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
+        end_grace_s: float = 0.0,
     ) -> None:
         self.stop = stop
         self.data_ended = data_ended
         self.checks = list(checks)
         self.gone_grace_s = gone_grace_s
+        self.end_grace_s = end_grace_s
         self.clock = clock
         self._lock = threading.Lock()
         self._verdict = RUNNING
         self._gone_at: float | None = None
+        self._ended_at: float | None = None  # since when ``data_ended`` holds
 
     @property
     def verdict(self) -> Verdict:
@@ -103,7 +108,11 @@ class RunEnd:
                     log.info("%s: training what they delivered", exc)
             except Exception as exc:  # noqa: BLE001 - every failure ends the run, by its type
                 return Verdict(Ending.FAIL, f"{type(exc).__name__}: {exc}", failure=exc)
-        if self.data_ended():
+        if not self.data_ended():
+            self._ended_at = None
+        elif self._ended_at is None and self.end_grace_s > 0:
+            self._ended_at = self.clock()
+        elif self._ended_at is None or self.clock() - self._ended_at >= self.end_grace_s:
             return Verdict(Ending.DRAIN, "every producer's data ended", data_ended=True)
         if self._gone_at is not None and self.clock() - self._gone_at >= self.gone_grace_s:
             return Verdict(Ending.DRAIN, "every producer process ended")

@@ -74,6 +74,8 @@ class TrainerBase:
         self.loss_finite = True
         self.nonfinite_steps = 0
         self.data_ended = False  # every producer signalled end of data, all of it trained
+        # Why the run drained before its planned steps (``RunEnd``'s reason), or None.
+        self.drained_because: str | None = None
         self.device = device
         self.facts = RunFacts(
             device=device,

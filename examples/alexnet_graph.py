@@ -25,10 +25,16 @@ import threading
 
 import numpy as np
 import tensorflow as tf
-from stagefeed.producer.pool import ProducerPool, pool_check
 
 from examples import run_in_directory
-from stagefeed import ProducerOptions, StepRecord, Trainer, TrainerOptions, image_schema
+from stagefeed import (
+    ProducerOptions,
+    Producers,
+    StepRecord,
+    Trainer,
+    TrainerOptions,
+    image_schema,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +69,8 @@ def train(directory: str, steps: int = 6) -> Trained:
     losses = Losses()
     with Trainer(options, [losses]) as trainer:
         producers = ProducerOptions(connect=trainer.endpoint, workers=1)  # adopts SCHEMA
-        with ProducerPool(producers, logging.getLogger().level) as pool:
-            trainer.train(threading.Event(), health_check=pool_check(pool))
+        with Producers(producers) as running:  # producer processes, as `stagefeed produce`
+            trainer.train(threading.Event(), health_check=running.health_check())
         with trainer.feed.graph.as_default():
             (kernel,) = [v for v in tf.compat.v1.global_variables() if v.op.name == KERNEL]
         trained_kernel = trainer.session.run(kernel)

@@ -227,14 +227,18 @@ class TrainerChannel:
         self._drain(reraise=False)
         return dict(self._refused)
 
-    def finish(self, count: int, stop: Any, timeout_s: float) -> Drained:
+    def finish(
+        self, count: int, stop: Any, timeout_s: float, reason: str = "ok", detail: str = ""
+    ) -> Drained:
         """Send what is held against credit, then ``end {seq: count}``, for up to ``timeout_s``.
 
+        ``reason`` (``protocol.END_*``) and ``detail`` tell the trainer why this producer
+        leaves (``source_error`` and the error's text; ``ok`` sends the plain ``end``).
         Returns how many batches could not be sent (``end`` goes only if none is left).
         Afterwards ``close(linger_s)`` lets ZeroMQ deliver what it holds.
         """
         self._require_open()
-        self._command(Finish(count, time.monotonic() + timeout_s))
+        self._command(Finish(count, time.monotonic() + timeout_s, reason, detail))
         while self._drained is None:
             self._wait(stop)
         return self._drained

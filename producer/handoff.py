@@ -41,11 +41,15 @@ class Outgoing:
 
 @dataclasses.dataclass(frozen=True)
 class Finish:
-    """The source ended after ``count`` batches: send what is held, then ``end {seq: count}``;
-    past ``deadline`` (monotonic), report what could not be sent instead."""
+    """The producer is done after ``count`` batches: send what is held, then ``end {seq:
+    count}`` with ``reason`` and ``detail`` unless the reason is ``ok`` (``protocol``: an
+    ``end`` without one means ok); past ``deadline`` (monotonic), report what could not be
+    sent instead."""
 
     count: int
     deadline: float
+    reason: str = "ok"
+    detail: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -258,7 +258,7 @@ class Link:
                 out.frames = []
                 self._events.put(Released(out.seq))
         if self._finish is not None and not self._outbox and not self._end_sent:
-            if not self._send_control("end", seq=self._finish.count):
+            if not self._send_control("end", **_end_fields(self._finish)):
                 return
             self._end_sent = True
         if now - self._last_send >= PING_S:
@@ -346,3 +346,11 @@ class Link:
         flags = zmq.POLLIN | (zmq.POLLOUT if writable_wanted else 0)
         self._poller.register(self._socket, flags)
         self._poller.poll(max(1, int(timeout)))
+
+
+def _end_fields(finish: Finish) -> dict[str, object]:
+    """The ``end`` message's fields: a normal end is the ``end`` every trainer understands."""
+    if finish.reason == protocol.END_OK:
+        return {"seq": finish.count}
+    detail = protocol.one_line(finish.detail)
+    return {"seq": finish.count, "reason": finish.reason, "detail": detail}

@@ -1,4 +1,4 @@
-"""What a producer pool shares with its worker processes: a stop flag and the failure
+"""What a producer pool shares with its worker processes: a stop flag and the workers'
 reports, each over an anonymous pipe.
 
 Nothing here is named: multiprocessing's ``Event``, ``Lock`` and ``Queue`` are built on POSIX
@@ -13,12 +13,14 @@ pipe's fd to the child) and carry only the end the worker needs.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any
 
 from stagefeed.common.errors import BrokenError, ConfigError, StagefeedError
 
 # A pipe write of at most PIPE_BUF (4096 on Linux) bytes is atomic: reports from several
-# workers at once never interleave. Header (4 bytes) + code (1) + text.
+# workers at once never interleave. Header (4 bytes) + the JSON text.
 MAX_REPORT_BYTES = 4000
 
 
@@ -42,35 +44,91 @@ class StopFlag:
         return {"_reader": self._reader, "_writer": None}  # a worker only reads
 
 
-class FailureReports:
-    """Workers' fatal errors, one line each, carried to the pool over a pipe.
+class WorkerReports:
+    """Each worker's last words, one report at its end, carried to the pool over a pipe: how
+    it ended (exit code; ``finished``, ``stopped`` or ``failed``; the one-line error), what it
+    sent and what the trainer refused, and the reason its ``end`` carried
+    (``Producers.books``, ``stagefeed produce``'s error line).
 
-    Only our own processes write to it, and only ``(exit code, message text)`` as bytes: the
-    text was written by us (it may quote the trainer's detail); nothing is unpickled. The pool
-    side (``first()``) keeps the first report: that is the one ``stagefeed produce`` prints as
-    ``stagefeed: error: ...`` and whose exit code (2 or 3) it returns.
+    Only our own processes write to it, and only JSON text (``MAX_REPORT_BYTES`` at most, one
+    atomic pipe write): nothing is unpickled, and a report that does not parse as one of ours
+    is ignored. The pool side keeps the first failure reported: the one ``stagefeed produce``
+    prints as ``stagefeed: error: ...`` and whose exit code (2 or 3) it returns.
     """
 
     def __init__(self, ctx: Any) -> None:
         self._reader, self._writer = ctx.Pipe(duplex=False)
+        self._reports: dict[int, dict[str, Any]] = {}
         self._first: StagefeedError | None = None
 
-    def report(self, error: StagefeedError) -> None:
-        """Worker side: send ``error``'s code and message (cut to one atomic pipe write)."""
-        code = 2 if isinstance(error, ConfigError) else 3
-        text = str(error).encode("utf-8", "replace")[: MAX_REPORT_BYTES - 1]
-        self._writer.send_bytes(bytes([code]) + text)
+    def report(
+        self,
+        worker: int,
+        code: int,
+        state: str,
+        sent: int,
+        refused: Mapping[str, int],
+        bye: str | None,
+        error: str = "",
+    ) -> None:
+        """Worker side: send the report (``error`` cut so the whole fits one atomic write)."""
+        fields = {"worker": worker, "code": code, "state": state, "sent": sent,
+                  "refused": dict(refused), "bye": bye}  # fmt: skip
+        data = json.dumps({**fields, "error": error}).encode()
+        while len(data) > MAX_REPORT_BYTES:  # the error cut by a quarter until it fits
+            error = error[: len(error) * 3 // 4]
+            data = json.dumps({**fields, "error": error}).encode()
+        self._writer.send_bytes(data)
 
-    def first(self) -> StagefeedError | None:
-        """Pool side: the first failure reported, as the ``ConfigError``/``BrokenError``."""
-        while self._first is None and self._reader is not None and self._reader.poll(0):
+    def read(self) -> None:
+        """Pool side: take every report that has arrived (never blocks)."""
+        while self._reader is not None and self._reader.poll(0):
             try:
                 payload = self._reader.recv_bytes()
             except EOFError:  # every writer has gone: nothing more can come
                 break
-            text = payload[1:].decode("utf-8", "replace")
-            self._first = ConfigError(text) if payload[0] == 2 else BrokenError(text)
+            report = _parse(payload)
+            if report is None:
+                continue
+            self._reports.setdefault(report["worker"], report)
+            if self._first is None and report["code"] in (2, 3) and report["error"]:
+                text = report["error"]
+                self._first = ConfigError(text) if report["code"] == 2 else BrokenError(text)
+
+    def first(self) -> StagefeedError | None:
+        """Pool side: the first failure reported, as the ``ConfigError``/``BrokenError``."""
+        self.read()
         return self._first
 
+    def of(self, worker: int) -> dict[str, Any] | None:
+        """Pool side: worker ``worker``'s report, if it has come (``read()`` first)."""
+        return self._reports.get(worker)
+
+    @property
+    def reader(self) -> Any:
+        """The pool's end, to wait on (``multiprocessing.connection.wait``)."""
+        return self._reader
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"_reader": None, "_writer": self._writer, "_first": None}  # a worker only writes
+        return {"_reader": None, "_writer": self._writer, "_reports": {}, "_first": None}
+
+
+_REPORT_TYPES = {
+    "worker": int, "code": int, "state": str, "sent": int, "refused": dict, "error": str,
+}  # fmt: skip
+
+
+def _parse(payload: bytes) -> dict[str, Any] | None:
+    """A report as ``WorkerReports.report`` wrote it, or None."""
+    try:
+        report = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(report, dict) or not all(
+        isinstance(report.get(k), t) for k, t in _REPORT_TYPES.items()
+    ):
+        return None
+    if not (report.get("bye") is None or isinstance(report["bye"], str)):
+        return None
+    report["refused"] = {k: v for k, v in report["refused"].items() if isinstance(v, int)}
+    return report

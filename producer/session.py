@@ -197,7 +197,7 @@ class Session:
 
     def _on_refused(self, header: dict[str, Any], now: float) -> None:
         reason = header["reason"]
-        detail = _one_line(header["detail"])
+        detail = protocol.one_line(header["detail"])
         if reason == DropReason.NO_HELLO:
             self.notice(reason, f"trainer at {self.endpoint} does not know us: hello again")
             self._reset(connected=self.connected)
@@ -219,7 +219,7 @@ class Session:
         self.notice(
             f"dropped:{reason}",
             f"trainer at {self.endpoint} dropped batch {header['seq']}: {reason}: "
-            f"{_one_line(header['detail'])} ({self._drops[reason]} so far)",
+            f"{protocol.one_line(header['detail'])} ({self._drops[reason]} so far)",
         )
         if reason == DropReason.NO_HELLO and self.welcomed:
             self._reset(connected=self.connected)
@@ -260,9 +260,3 @@ def message_bytes(schema: Schema) -> int:
     arrays = [[name, dtype.str, list(shape)] for name, dtype, shape in schema.wire()]
     header = {"v": protocol.PROTOCOL_VERSION, "t": "batch", "seq": 2**63 - 1, "arrays": arrays}
     return len(msgpack.packb(header)) + schema.batch_bytes
-
-
-def _one_line(text: str) -> str:
-    """Untrusted detail text as one bounded, printable line."""
-    text = text[: protocol.MAX_DETAIL_LEN]
-    return "".join(c if c.isprintable() else " " for c in text)

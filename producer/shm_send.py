@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.producer.channel import TrainerChannel
-from stagefeed.producer.sources import Feed
+from stagefeed.producer.sources import Feed, SourceFailed
 
 SENT = "sent"  # batch ``seq`` was handed over
 LOST = "lost"  # its pool was retired while it was written (that trainer is gone): seq is free
@@ -21,13 +22,17 @@ NOT_SHARED = "zmq"  # the channel runs over ZeroMQ now (``auto`` fell back): sen
 
 
 def send_in_slot(channel: TrainerChannel, feed: Feed, seq: int, stop: Any) -> str:
-    """Batch ``seq`` through a slot; one of ``SENT``, ``LOST``, ``END``, ``NOT_SHARED``."""
+    """Batch ``seq`` through a slot; one of ``SENT``, ``LOST``, ``END``, ``NOT_SHARED``.
+    ``SourceFailed`` if the source failed (the slot is given back)."""
     got = channel.acquire_slot(stop)
     if got is None:
         return NOT_SHARED
     pool, slot = got
     try:
         more = feed.fill_into(pool.arrays(slot))
+    except (ConfigError, BrokenError) as exc:
+        channel.discard_slot(pool, slot)
+        raise SourceFailed(exc) from exc
     except BaseException:
         channel.discard_slot(pool, slot)
         raise

@@ -42,18 +42,21 @@ what was expected and what came. A source that ends makes the producer finish cl
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.refs import import_ref
-from stagefeed.common.schema import Schema, check_arrays
+from stagefeed.common.schema import Schema, SchemaMismatch, check_arrays
 from stagefeed.producer.buffers import BufferPool
 from stagefeed.producer.synthetic import SyntheticSource
 
 T = TypeVar("T")
 SYNTHETIC = "synthetic"
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,15 @@ class WorkerInfo:
     def shard(self, items: Sequence[T]) -> Sequence[T]:
         """This worker's share of ``items``: every ``count``-th one, starting at ``index``."""
         return items[self.index :: self.count]
+
+
+class SourceFailed(Exception):
+    """Carries the error a source raised (``ConfigError``/``BrokenError``) past the code that
+    also raises the channel's errors: the producer delivers what it made, then raises it."""
+
+    def __init__(self, error: ConfigError | BrokenError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class FillingSource(Protocol):
@@ -149,10 +161,25 @@ class Feed:
 
 
 class IterableFeed(Feed):
-    """Form (a): batches from an iterable of dicts (fresh arrays, or a never-rewritten pool)."""
+    """Form (a): batches from an iterable of dicts (fresh arrays, or a never-rewritten pool).
 
-    def __init__(self, name: str, schema: Schema, iterable: Iterable[Mapping[str, Any]]) -> None:
+    A *short* batch (every array has the schema's dtype and row shape but the same, smaller
+    number of rows: the last batch of data that does not divide by the batch size) is
+    refused with its own message (``short_batch="refuse"``) or dropped, counted and logged
+    (``"drop"``, tf.data's ``drop_remainder``). Never padded: that would train invented rows.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        schema: Schema,
+        iterable: Iterable[Mapping[str, Any]],
+        short_batch: str = "refuse",
+    ) -> None:
         super().__init__(name, schema)
+        self.short_batch = short_batch
+        self.short_dropped = 0  # short batches dropped, and their rows
+        self.short_rows_dropped = 0
         try:
             self._iterator: Iterator[Mapping[str, Any]] = iter(iterable)
         except TypeError:
@@ -162,15 +189,50 @@ class IterableFeed(Feed):
             ) from None
 
     def next(self) -> tuple[dict[str, np.ndarray], None] | None:
-        try:
-            batch = next(self._iterator)
-        except StopIteration:
+        while True:
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                return None
+            except (ConfigError, BrokenError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - user code: carried as one line
+                raise self._user_failed(exc) from exc
+            rows = short_rows(self.schema, batch)
+            if rows is None:
+                return self._check(batch), None
+            what = f"source {self.name!r} batch {self.count}"
+            if self.short_batch != "drop":
+                raise SchemaMismatch(
+                    f"{what} is short: {rows} rows, the batch size is {self.schema.batch_size} "
+                    "(the end of data that does not divide by it?); pass --short-batch drop "
+                    "to drop short batches (like tf.data's drop_remainder)"
+                )
+            self.short_dropped += 1
+            self.short_rows_dropped += rows
+            log.warning("%s is short (%d of %d rows): dropped (--short-batch drop)",
+                        what, rows, self.schema.batch_size)  # fmt: skip
+            self.count += 1
+
+
+def short_rows(schema: Schema, arrays: Any) -> int | None:
+    """The row count of a short batch: the schema's names, dtypes and row shapes with fewer
+    rows than the batch size, the same number in every array; else None."""
+    if not isinstance(arrays, Mapping) or set(arrays) != set(schema.names):
+        return None
+    rows = set()
+    for spec in schema.arrays:
+        array = arrays[spec.name]
+        full = schema.batch_shape(spec)
+        if not isinstance(array, np.ndarray) or array.dtype != spec.np_dtype:
             return None
-        except (ConfigError, BrokenError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - user code may raise anything; carried as one line
-            raise self._user_failed(exc) from exc
-        return self._check(batch), None
+        if array.ndim != len(full) or array.shape[1:] != full[1:]:
+            return None
+        rows.add(array.shape[0] if array.ndim else -1)
+    if len(rows) != 1:
+        return None
+    (count,) = rows
+    return count if 0 <= count < schema.batch_size else None
 
 
 class FillingFeed(Feed):
@@ -233,10 +295,12 @@ def open_feed(
     worker: WorkerInfo,
     pool_size: int,
     factory: SourceFactory | None = None,
+    short_batch: str = "refuse",
 ) -> Feed:
     """The ``Feed`` of ``--source ref`` for ``worker``. ``pool_size`` (``max_unsent + 1``) is
     the number of batches the synthetic pool and a filling source's buffer pool hold.
     ``factory``: the result of ``resolve_source(ref)``, if the caller already has it.
+    ``short_batch``: ``refuse`` or ``drop`` a short batch (``IterableFeed``).
     """
     if ref == SYNTHETIC:
         return IterableFeed(ref, schema, SyntheticSource(schema, pool_size, worker.seed))
@@ -253,4 +317,4 @@ def open_feed(
     fill = getattr(made, "fill", None)
     if callable(fill):
         return FillingFeed(ref, schema, made, pool_size)
-    return IterableFeed(ref, schema, made)
+    return IterableFeed(ref, schema, made, short_batch)

@@ -1,7 +1,7 @@
 """One producer process: read batches from a source and send them to the trainer (protocol v2).
 
 ``produce(options, worker, stop)`` is the whole job and can run in any process (tests call
-it in a thread); ``worker_main`` is the entry point ``ProducerPool`` spawns around it: logging,
+it in a thread); ``worker_main`` is the entry point ``Producers`` spawns around it: logging,
 signals, orphan protection, exit codes, and the one-line failure it reports to the pool.
 
 Flow: resolve the source (a bad ``--source`` fails before connecting), connect, hello,
@@ -9,11 +9,14 @@ welcome (which gives the schema when the producer declared none), open the sourc
 schema, then send each batch after ``check_arrays`` (the first batch's mismatch is a
 ``SchemaMismatch`` naming source, array, expected and actual). The end of the data or
 ``max_batches`` is a clean finish: what is held is sent against credit, then ``end``, then
-ZeroMQ delivers for up to ``FLUSH_TIMEOUT_S``. A stop discards what is held.
+ZeroMQ delivers for up to ``FLUSH_TIMEOUT_S``. A source that fails finishes the same way
+(the batches it made before are delivered), its ``end`` carrying ``source_error`` and the
+error's text, and then the error is raised (exit 2 or 3). A stop discards what is held.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -23,14 +26,21 @@ import threading
 import time
 from typing import Any
 
+from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.producer import shm_send
-from stagefeed.producer.channel import TrainerChannel
-from stagefeed.producer.process_pipes import FailureReports
-from stagefeed.producer.sources import WorkerInfo, open_feed, resolve_source
+from stagefeed.producer.channel import TrainerChannel, Welcome
+from stagefeed.producer.process_pipes import WorkerReports
+from stagefeed.producer.sources import (
+    SourceFactory,
+    SourceFailed,
+    WorkerInfo,
+    open_feed,
+    resolve_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +82,11 @@ def worker_main(
     index: int,
     stop: Any,
     log_level: int,
-    failures: FailureReports | None = None,
+    reports: WorkerReports | None = None,
 ) -> None:
     """Entry point of a spawned producer process: exit 0 on a clean finish or stop, 2 on a
-    ``ConfigError``, 3 on a ``BrokenError``, each reported to ``failures`` in one line."""
+    ``ConfigError``, 3 on a ``BrokenError``; in every case it reports to ``reports`` how it
+    ended (the error in one line), what it sent and what its ``end`` said."""
     setup_logging(log_level)
     watch = _ParentWatch(stop)
 
@@ -95,28 +106,53 @@ def worker_main(
     signal.signal(signal.SIGTERM, on_signal)
     # The pool starts workers with both signals blocked (see producer.pool): handlers first.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    outcome = Outcome()
+    code, state, error = 1, "failed", "unexpected error (see the producer's log)"
     try:
-        produce(options, worker_info(options, index), watch)
+        produce(options, worker_info(options, index), watch, outcome)
+        code, state, error = 0, "finished", ""
     except ClosedError:
-        return
+        code, state, error = 0, "stopped", ""
     except (ConfigError, BrokenError) as exc:
         log.debug("producer %d failed: %s", index, exc)
-        if failures is not None:
-            failures.report(exc)
-        raise SystemExit(2 if isinstance(exc, ConfigError) else 3) from None
+        code, error = (2 if isinstance(exc, ConfigError) else 3), str(exc)
     finally:
         # CPython puts the default actions back while it exits, and a late Ctrl-C would then
         # turn this exit into a death by SIGINT, which the pool would report as a failure.
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if reports is not None:
+            try:
+                reports.report(
+                    index, code, state, outcome.sent, outcome.refused, outcome.bye, error
+                )
+            except OSError as exc:  # the pool has gone: nobody to tell
+                log.debug("producer %d: no report: %s", index, exc)
+    if code:
+        raise SystemExit(code)
 
 
-def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
+@dataclasses.dataclass
+class Outcome:
+    """What one ``produce`` did, filled in as it goes (for its report to the pool):
+    ``sent`` batches handed over (seq 0..sent-1), the trainer's ``refused`` verdicts by
+    reason, and ``bye``: the reason its ``end`` carried, once that went out (None: no end)."""
+
+    sent: int = 0
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)
+    bye: str | None = None
+
+
+def produce(
+    options: ProducerOptions, worker: WorkerInfo, stop: Any, outcome: Outcome | None = None
+) -> int:
     """Send batches until ``max_batches``, the source's end, or ``stop``; return the count.
 
     Raises ``ClosedError`` on stop, ``ConfigError`` (``SchemaMismatch``) when the trainer or
     the source disagree with the schema, ``BrokenError`` when the trainer refuses the
-    handshake or the source fails.
+    handshake or the source fails. A source that fails (at start or at batch ``k``) is a
+    finish first: the ``k`` batches before the failure are delivered, then ``end`` tells the
+    trainer ``source_error`` and the error's text; then the source's error is raised.
     """
     factory = resolve_source(options.source)
     configure = None
@@ -133,69 +169,113 @@ def produce(options: ProducerOptions, worker: WorkerInfo, stop: Any) -> int:
         transport=options.transport,
     )
     name = worker.producer_id
-    seq = 0
+    outcome = outcome if outcome is not None else Outcome()
+    failure: ConfigError | BrokenError | None = None
     finished = False
     try:
         welcome = channel.open(stop)
-        schema = welcome.schema
-        feed = open_feed(options.source, schema, worker, welcome.max_unsent + 1, factory)
-        log.info(
-            "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s",
-            name,
-            options.connect,
-            schema.describe(),
-            schema.batch_bytes / MIB,
-            welcome.max_unsent,
-            options.source,
-        )
-        interval = 1.0 / options.rate if options.rate else 0.0
-        next_at = time.monotonic()
-        while not options.max_batches or seq < options.max_batches:
-            if stop.is_set():
-                raise ClosedError("stop requested")
-            if interval:
-                next_at = _pace(next_at, interval, stop)
-            if channel.lane is not None:
-                outcome = shm_send.send_in_slot(channel, feed, seq, stop)
-                if outcome == shm_send.END:
-                    break
-                if outcome != shm_send.NOT_SHARED:
-                    seq += outcome == shm_send.SENT
-                    continue
-            item = feed.next()
-            if item is None:
-                break
-            arrays, release = item
-            channel.send(arrays, seq, stop, on_release=release)
-            seq += 1
-        _finish(channel, name, seq, stop)
-        finished = True
+        try:
+            _send_all(options, worker, factory, channel, welcome, stop, outcome)
+        except SourceFailed as failed:
+            failure = failed.error
+        try:
+            outcome.bye = _finish(channel, name, outcome.sent, stop, failure)
+            finished = True
+        except ClosedError:
+            if failure is None:
+                raise  # a stop while delivering the tail of a failed source: its error stands
     finally:
         if not finished and channel.welcome is not None:
             log.info(
                 "producer %s stopped: %d batches handed over (%s); %s; %d not yet delivered "
                 "discarded (%d waiting for credit, %d held by ZeroMQ)",
                 name,
-                seq,
-                _seq_range(seq),
+                outcome.sent,
+                _seq_range(outcome.sent),
                 _refused_text(channel),
                 channel.held(),
                 channel.waiting(),
                 channel.in_zeromq(),
             )
+        outcome.refused = channel.refused()
         channel.close()
-    return seq
+    if failure is not None:
+        raise failure
+    return outcome.sent
 
 
-def _finish(channel: TrainerChannel, name: str, count: int, stop: Any) -> None:
+def _send_all(
+    options: ProducerOptions,
+    worker: WorkerInfo,
+    factory: SourceFactory | None,
+    channel: TrainerChannel,
+    welcome: Welcome,
+    stop: Any,
+    outcome: Outcome,
+) -> None:
+    """Open the source and hand its batches to the channel until its end or ``max_batches``;
+    ``SourceFailed`` when the source fails (``outcome.sent``: the batches before it)."""
+    schema, max_unsent = welcome.schema, welcome.max_unsent
+    try:
+        feed = open_feed(
+            options.source, schema, worker, max_unsent + 1, factory, options.short_batch
+        )
+    except (ConfigError, BrokenError) as exc:
+        raise SourceFailed(exc) from exc
+    log.info(
+        "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s",
+        worker.producer_id,
+        options.connect,
+        schema.describe(),
+        schema.batch_bytes / MIB,
+        max_unsent,
+        options.source,
+    )
+    interval = 1.0 / options.rate if options.rate else 0.0
+    next_at = time.monotonic()
+    while not options.max_batches or outcome.sent < options.max_batches:
+        if stop.is_set():
+            raise ClosedError("stop requested")
+        if interval:
+            next_at = _pace(next_at, interval, stop)
+        if channel.lane is not None:
+            slot = shm_send.send_in_slot(channel, feed, outcome.sent, stop)
+            if slot == shm_send.END:
+                return
+            if slot != shm_send.NOT_SHARED:
+                outcome.sent += slot == shm_send.SENT
+                continue
+        try:
+            item = feed.next()
+        except (ConfigError, BrokenError) as exc:
+            raise SourceFailed(exc) from exc
+        if item is None:
+            return
+        arrays, release = item
+        channel.send(arrays, outcome.sent, stop, on_release=release)
+        outcome.sent += 1
+
+
+def _finish(
+    channel: TrainerChannel,
+    name: str,
+    count: int,
+    stop: Any,
+    failure: ConfigError | BrokenError | None = None,
+) -> str | None:
+    """Deliver what is held, then ``end`` (with ``source_error`` and the text of ``failure``
+    if the source failed), then let ZeroMQ deliver for what is left of ``FLUSH_TIMEOUT_S``.
+    Returns the reason the ``end`` carried, or None if it could not be sent."""
     started = time.monotonic()
-    drained = channel.finish(count, stop, FLUSH_TIMEOUT_S)
+    reason = protocol.END_OK if failure is None else protocol.END_SOURCE_ERROR
+    drained = channel.finish(count, stop, FLUSH_TIMEOUT_S, reason, str(failure or ""))
     linger_s = max(0.0, FLUSH_TIMEOUT_S - (time.monotonic() - started))
     refused = sum(channel.refused().values())
     log.log(
-        logging.WARNING if refused else logging.INFO,
-        "producer %s finished: %d batches (%s); %s; delivering the last %d (up to %.0f s)",
+        logging.WARNING if refused or failure else logging.INFO,
+        "producer %s %s: %d batches (%s); %s; delivering the last %d (up to %.0f s)",
         name,
+        "finished" if failure is None else "source failed, ending",
         count,
         _seq_range(count),
         _refused_text(channel),
@@ -216,6 +296,7 @@ def _finish(channel: TrainerChannel, name: str, count: int, stop: Any) -> None:
         channel.close(linger_s)
     finally:
         _flushing.clear()
+    return reason if drained.end_sent else None
 
 
 def _pace(next_at: float, interval: float, stop: Any) -> float:

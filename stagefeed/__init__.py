@@ -1,11 +1,12 @@
 """stagefeed: feed a TensorFlow trainer from Python producer processes.
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
-this package without TensorFlow: the trainer-side names (``Feed``, ``ServedFeed``,
-``Trainer``, ``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer``,
-``keep_freed_memory`` and the ``--model`` marks ``graph_model`` / ``keras_model``) are loaded
-on first use (PEP 562); all but the step records, ``keep_freed_memory`` and the marks import
-TensorFlow.
+this package without TensorFlow: ``Producers`` and ``WorkerBook`` (producer processes, what
+``stagefeed produce`` runs), the ``--model`` marks ``graph_model`` / ``keras_model`` and the
+trainer-side names (``Feed``, ``ServedFeed``, ``BooksFigures``, ``TrainedStep``, ``Trainer``,
+``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and ``keep_freed_memory``)
+are loaded on first use (PEP 562); of those only ``Feed``, ``ServedFeed``, ``BooksFigures``,
+``TrainedStep``, ``Trainer``, ``KerasTrainer`` and ``cast_layer`` import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 ``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
@@ -40,21 +41,28 @@ __version__ = "0.2.0"
 
 # Trainer-side names: imported (with TensorFlow) only when first used.
 _LAZY = {
+    "BooksFigures": "stagefeed.consumer.tf2.step_books",
     "Feed": "stagefeed.consumer.tf2.feed",
     "KerasTrainer": "stagefeed.consumer.keras_fit.trainer",
+    "Producers": "stagefeed.producer.pool",  # no TensorFlow
     "ServedFeed": "stagefeed.consumer.tf2.served_feed",
     "StepObserver": "stagefeed.consumer.trainer_base",
     "StepRecord": "stagefeed.consumer.trainer_base",
     "Trainer": "stagefeed.consumer.graph.trainer",
+    "TrainedStep": "stagefeed.consumer.tf2.step_books",
     "cast_layer": "stagefeed.consumer.keras_fit.callback",
     "graph_model": "stagefeed.consumer.model_ref",  # no TensorFlow
     "keep_freed_memory": "stagefeed.consumer.memory.malloc_policy",  # no TensorFlow
     "keras_model": "stagefeed.consumer.model_ref",  # no TensorFlow
+    "WorkerBook": "stagefeed.producer.pool",  # no TensorFlow
 }
-_WITH_TENSORFLOW = {"Feed", "KerasTrainer", "ServedFeed", "Trainer", "cast_layer"}
+_WITH_TENSORFLOW = {
+    "BooksFigures", "Feed", "KerasTrainer", "ServedFeed", "TrainedStep", "Trainer", "cast_layer",
+}  # fmt: skip
 
 __all__ = [
     "ArraySpec",
+    "BooksFigures",
     "BrokenError",
     "ClosedError",
     "ConfigError",
@@ -64,6 +72,7 @@ __all__ = [
     "KerasTrainer",
     "NonFiniteLoss",
     "ProducerOptions",
+    "Producers",
     "ProtocolError",
     "Schema",
     "SchemaMismatch",
@@ -71,8 +80,10 @@ __all__ = [
     "StagefeedError",
     "StepObserver",
     "StepRecord",
+    "TrainedStep",
     "Trainer",
     "TrainerOptions",
+    "WorkerBook",
     "__version__",
     "cast_layer",
     "graph_model",

@@ -17,13 +17,21 @@ from stagefeed import __version__, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
-from stagefeed.common.options import ON_NAN, TRANSPORTS, ProducerOptions, TrainerOptions
+from stagefeed.common.options import (
+    ON_NAN,
+    SHORT_BATCH,
+    TRANSPORTS,
+    ProducerOptions,
+    TrainerOptions,
+)
 from stagefeed.common.schema import Schema, image_schema, load_schema
 
 log = logging.getLogger("stagefeed")
 
 
 IMAGE_FLAGS = ("dtype", "image_size", "num_classes")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPES = ("float32", "uint8")
 
 
 def add_schema_flags(p: argparse.ArgumentParser, batch_size: int) -> None:
@@ -33,14 +41,8 @@ def add_schema_flags(p: argparse.ArgumentParser, batch_size: int) -> None:
         "by --dtype, --image-size and --num-classes.",
     )
     envflags.add(g, "--schema", default=None, help="a .json/.toml schema file or module:NAME")
-    envflags.add(
-        g, "--batch-size", type=int, default=None, shown_default=str(batch_size),
-        help="examples per batch (with --schema: the schema's, unless given)",
-    )  # fmt: skip
-    envflags.add(
-        g, "--dtype", default=None, choices=("float32", "uint8"), shown_default="float32",
-        help="image dtype",
-    )  # fmt: skip
+    envflags.add(g, "--batch-size", type=int, shown_default=str(batch_size), help="batch size")
+    envflags.add(g, "--dtype", choices=DTYPES, shown_default="float32", help="the images' dtype")
     envflags.add(g, "--image-size", type=int, shown_default="227", help="image height and width")
     envflags.add(g, "--num-classes", type=int, shown_default="1000", help="labels are in [0, N)")
     p.set_defaults(default_batch_size=batch_size)
@@ -78,6 +80,11 @@ def add_producer_flags(p: argparse.ArgumentParser) -> None:
     envflags.add(g, "--inflight-mb", type=float, default=512.0, help="unsent bytes per producer")
     envflags.add(g, "--rate", type=float, default=0.0, help="batches/s per producer (0: no limit)")
     envflags.add(g, "--max-batches", type=int, default=0, help="batches per producer (0: no limit)")
+    envflags.add(
+        g, "--short-batch", default="refuse", choices=SHORT_BATCH,
+        help="a source's batch with fewer rows than --batch-size: refuse it (exit 2) or drop "
+        "it (counted and logged; like tf.data's drop_remainder)",
+    )  # fmt: skip
     envflags.add(g, "--seed", type=int, default=0, help="RNG seed of the synthetic source")
 
 
@@ -117,6 +124,10 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
         g, "--on-nan", default="stop", choices=ON_NAN,
         help="a NaN or infinite loss: stop training (exit code 4) or warn and go on",
     )  # fmt: skip
+    envflags.add_switch(
+        g, "--require-full-run",
+        help="exit 5 (after the summary) when the data ends before the planned steps/epochs",
+    )  # fmt: skip
     envflags.add(g, "--queue-mb", type=float, default=2048.0, help="FIFOQueue budget in MiB")
     envflags.add(g, "--stage-depth", type=int, default=2, help="batches staged on the device")
     envflags.add(g, "--device", default="auto", choices=("auto", "cpu", "gpu"), help="train on")
@@ -133,11 +144,9 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
         g, "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
     )
     envflags.add(
-        g,
-        "--metrics-bind",
-        default="127.0.0.1",
+        g, "--metrics-bind", default="127.0.0.1",
         help="address the metrics endpoint listens on (0.0.0.0: every interface)",
-    )
+    )  # fmt: skip
     envflags.add_switch(
         g, "--metrics-producer-labels", help="per-producer metrics, labelled with producer ids"
     )
@@ -172,10 +181,7 @@ def add_data_transport_flag(
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
     envflags.add(p, "--curve-keys", default=None, help="CURVE keys directory (stagefeed keygen)")
-    envflags.add(
-        p, "--log-level", default="info", choices=("debug", "info", "warning", "error"),
-        help="what the log shows",
-    )  # fmt: skip
+    envflags.add(p, "--log-level", default="info", choices=LOG_LEVELS, help="what the log shows")
 
 
 def producer_options(args: argparse.Namespace, connect: str, workers: int) -> ProducerOptions:
@@ -187,6 +193,7 @@ def producer_options(args: argparse.Namespace, connect: str, workers: int) -> Pr
         inflight_mb=args.inflight_mb,
         rate=args.rate,
         max_batches=args.max_batches,
+        short_batch=args.short_batch,
         seed=args.seed,
         curve_keys=args.curve_keys,
         transport=args.transport,
@@ -237,6 +244,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         save_dir=args.save,
         checkpoint_every=args.checkpoint_every,
         on_nan=args.on_nan,
+        require_full_run=args.require_full_run,
         targets=_targets(args),
     )
 

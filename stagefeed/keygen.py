@@ -81,5 +81,7 @@ def _keygen(args: argparse.Namespace) -> int:
     print(f"  trainer:            stagefeed train --curve-keys {args.dir}")
     print(f"  producers here:     stagefeed produce --curve-keys {args.dir}")
     for client_dir in clients:
-        print(f"  producer elsewhere: copy {client_dir}, then --curve-keys <that copy>")
+        public = curve.load_public_key(os.path.join(client_dir, curve.CLIENT_PUBLIC))
+        print(f"  producer elsewhere: copy {client_dir}, then --curve-keys <that copy> "
+              f"(books name it '<name> {curve.key_fingerprint(public)}')")  # fmt: skip
     return 0

@@ -19,14 +19,25 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from stagefeed import loopback
-from stagefeed.common.errors import EXIT_NON_FINITE, BrokenError, ClosedError, NonFiniteLoss
+from stagefeed.common.errors import (
+    EXIT_BROKEN,
+    EXIT_CONFIG,
+    EXIT_NON_FINITE,
+    EXIT_SHORT_RUN,
+    BrokenError,
+    ClosedError,
+    ConfigError,
+    NonFiniteLoss,
+    StagefeedError,
+)
 from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
-from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.options import ObserveOptions, ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
-from stagefeed.producer.pool import ProducerPool, pool_check
+from stagefeed.common.tf_config import apply_indexed_job
+from stagefeed.producer.pool import Producers
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.observe.monitor import FinalFigures, Monitor, ObserveOptions
+    from stagefeed.consumer.observe.monitor import FinalFigures, Monitor
     from stagefeed.consumer.trainer_base import TrainerBase
 
 log = logging.getLogger("stagefeed")
@@ -37,19 +48,20 @@ LEFTOVER_THREADS_S = 2.0
 
 
 def produce(options: ProducerOptions, shutdown: Shutdown | None = None) -> int:
-    """Run producer processes until they finish (``--max-batches``) or a signal stops them."""
+    """Run producer processes (``stagefeed.Producers``) until they finish (``--max-batches``,
+    the data's end) or a signal stops them; a worker's failure is raised as it reported it."""
     shutdown = shutdown or Shutdown().install()
-    _check_client_keys(options)
-    pool = ProducerPool(options, logging.getLogger().level)
+    producers = Producers(options, logging.getLogger().level)
     try:
         if not shutdown.stop.is_set():
-            pool.start()
-        while pool.alive() and not shutdown.stop.wait(POLL_S):
-            pool.wait(0)  # raises BrokenError as soon as a worker failed
+            producers.start()
+        # wait() raises a worker's failure as soon as it is reported (exit 2 or 3)
+        while not producers.wait(POLL_S) and not shutdown.stop.is_set():
+            pass
     finally:
         shutdown.begin()
-        pool.close(hurry=shutdown.urgent.is_set)
-    pool.wait(0)  # a worker that failed, even during the shutdown, is reported: exit 3
+        producers.close(hurry=shutdown.urgent.is_set)
+    producers.wait(0)  # a worker that failed, even during the shutdown, is reported
     return 0
 
 
@@ -84,8 +96,6 @@ def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | Non
 
 def observe_options(args: argparse.Namespace) -> ObserveOptions:
     """Progress, advice, TensorBoard and Prometheus settings from the trainer flags."""
-    from stagefeed.consumer.observe.monitor import ObserveOptions
-
     return ObserveOptions(
         progress_s=args.progress_s,
         logdir=args.logdir,
@@ -109,20 +119,21 @@ def _start(monitor: Monitor, trainer: TrainerBase, shutdown: Shutdown) -> bool:
 
 def _train(
     trainer: TrainerBase, shutdown: Shutdown, health_check: Callable[[], None] | None = None
-) -> BrokenError | None:
-    """Train until done or stopped; a failure (receive thread, producers, a non-finite loss)
-    is returned, so that the shutdown and the summary still happen."""
+) -> StagefeedError | None:
+    """Train until done or stopped; a failure (receive thread, producers, a producer's source
+    that failed (``ConfigError``), a non-finite loss) is returned, so that the shutdown and
+    the summary still happen."""
     try:
         trainer.train(shutdown.stop, health_check=health_check)
     except ClosedError as exc:
         log.info("stopped before training started: %s", exc)
-    except (BrokenError, NonFiniteLoss) as exc:
+    except (BrokenError, ConfigError, NonFiniteLoss) as exc:
         return exc
     return None
 
 
 def _close(
-    shutdown: Shutdown, monitor: Monitor, trainer: TrainerBase, pool: ProducerPool | None = None
+    shutdown: Shutdown, monitor: Monitor, trainer: TrainerBase, pool: Producers | None = None
 ) -> None:
     """Close everything, each step whatever the one before did."""
     shutdown.begin()  # from here on, a signal cuts the grace periods
@@ -142,12 +153,13 @@ def _finish(
     shutdown: Shutdown,
     json_path: str | None,
     final: FinalFigures | None,
-    failure: BaseException | None,
+    failure: StagefeedError | None,
     transport_choice: dict[str, str] | None = None,
 ) -> int:
-    """Print and write the summary; the exit code: 4 if a non-finite loss stopped training, 3
-    if something failed, 1 if the JSON could not be written after all (the text summary is on
-    stdout), else 0."""
+    """Print and write the summary; the exit code: 2 if a producer's source failed (its one
+    line is the last on stderr), 4 if a non-finite loss stopped training, 3 if something else
+    failed, 5 if the data ended before the planned steps under ``require_full_run``, 1 if the
+    JSON could not be written after all (the text summary is on stdout), else 0."""
     from stagefeed.consumer.observe.summary import format_text, summarize, write_json
 
     summary = summarize(
@@ -162,9 +174,18 @@ def _finish(
         except OSError as exc:
             log.error("cannot write the summary to %s: %s", json_path, exc)
             code = 1
-    if failure is not None:
+    short = summary["run_length"]["short_because"]
+    if isinstance(failure, ConfigError):
+        print(f"stagefeed: error: {failure}", file=sys.stderr, flush=True)  # as cli.main does
+        code = EXIT_CONFIG
+    elif failure is not None:
         log.error("%s", failure)
-        code = EXIT_NON_FINITE if isinstance(failure, NonFiniteLoss) else 3
+        code = EXIT_NON_FINITE if isinstance(failure, NonFiniteLoss) else EXIT_BROKEN
+    elif short and trainer.options.require_full_run:
+        log.error("--require-full-run: %s before the planned steps", short)
+        code = EXIT_SHORT_RUN
+    elif short:
+        log.warning("%s before the planned steps (see the summary)", short)
     return code
 
 
@@ -177,6 +198,7 @@ def train(
     """Listen, train ``options.total_steps`` steps (or until a signal), print the summary."""
     shutdown = shutdown or Shutdown().install()
     _check_outputs(json_path, observe.logdir, options.save_dir)
+    apply_indexed_job()  # TF_CONFIG, checked or derived, before TensorFlow reads it
     # TensorFlow loads here (seconds): a signal meanwhile takes effect once it has loaded.
     from stagefeed.consumer.quiet_tf import import_tensorflow
 
@@ -187,7 +209,7 @@ def train(
     monitor = Monitor(observe)
     trainer = model_ref.trainer(options, [monitor], _server_configurator(options))
     started = time.monotonic()
-    failure = None
+    failure: StagefeedError | None = None
     try:
         if _start(monitor, trainer, shutdown):
             failure = _train(trainer, shutdown)
@@ -232,16 +254,16 @@ def run_local(
 
     monitor = Monitor(observe)
     trainer = model_ref.trainer(options, [monitor], _server_configurator(options))
-    pool: ProducerPool | None = None
-    failure: BaseException | None = None
+    pool: Producers | None = None
+    failure: StagefeedError | None = None
     started = time.monotonic()
     try:
         if _start(monitor, trainer, shutdown) and not shutdown.stop.is_set():
-            pool = ProducerPool(
+            pool = Producers(
                 producer_options(args, trainer.endpoint, args.producers), logging.getLogger().level
             ).start()
             log.info("%d producers -> %s", args.producers, trainer.endpoint)
-            failure = _train(trainer, shutdown, health_check=pool_check(pool, ClosedError))
+            failure = _train(trainer, shutdown, health_check=pool.health_check(ClosedError))
     finally:
         try:
             _close(shutdown, monitor, trainer, pool)

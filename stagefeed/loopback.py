@@ -34,7 +34,7 @@ from stagefeed.common.shm.layout import (
     F_SEAL_SHRINK,
     SlotLayout,
 )
-from stagefeed.common.shm.slots import pool_slots
+from stagefeed.common.shm.sizing import pool_slots
 from stagefeed.producer.shm_lane import available_bytes
 
 GIB = 1024 * MIB

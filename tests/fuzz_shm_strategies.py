@@ -147,10 +147,12 @@ def shm_batch_headers(draw, seq: int) -> bytes:
 
 @st.composite
 def end_headers(draw) -> bytes:
-    """An ``end`` header whose ``seq`` is right, nested, oversized or mistyped, maybe with an
-    extra field."""
+    """An ``end`` header whose ``seq`` is right, nested, oversized or mistyped, maybe with a
+    reason and detail (any text, or bent), half of them, or an extra field."""
     fields = {"v": protocol.PROTOCOL_VERSION, "t": "end",
               "seq": draw(st.one_of(st.integers(0, 2**63 - 1), bent))}  # fmt: skip
+    for key in draw(st.sampled_from([(), ("reason", "detail"), ("reason",), ("detail",)])):
+        fields[key] = draw(st.one_of(st.sampled_from(["ok", "source_error"]), st.text(), bent))
     if draw(st.integers(0, 4)) == 0:
         fields[draw(st.sampled_from(["x", "seq2", "desc"]))] = draw(bent)
     return packed_with_deep(fields)

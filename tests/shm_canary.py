@@ -98,14 +98,13 @@ def consistent_fn(staged, schema):
 
 
 def _release_early() -> None:
-    from stagefeed.common.shm.mapped import MappedPool, parse_descriptor
+    from stagefeed.common.shm.mapped import MappedPool
 
     view = MappedPool.view
 
     def early(self, desc):
         views = view(self, desc)
-        _pool, slot, gen, _seq = parse_descriptor(desc)
-        self._on_release(self.pool_id, slot, gen)  # TF has not even been fed it yet
+        self._on_release(self.pool_id, desc.slot, desc.gen)  # TF has not even been fed it yet
         return views
 
     MappedPool.view = early

@@ -80,6 +80,7 @@ class StandInTrainer:
         self.received: list[Received] = []
         self.pings: list[tuple[bytes, float]] = []
         self.ends: list[tuple[bytes, int]] = []
+        self.byes: list[dict[str, Any]] = []  # every ``end`` header whole (reason, detail)
         self.reading = threading.Event()
         self.reading.set()
         self._known: set[bytes] = set()
@@ -182,6 +183,7 @@ class StandInTrainer:
             if identity not in self._known:
                 self._send(sock, identity, "refused", reason="no_hello", detail="who are you?")
         elif kind == "end":
+            self.byes.append(header)
             self.ends.append((identity, header["seq"]))
 
     def _batch(self, sock, identity, header, frames) -> None:

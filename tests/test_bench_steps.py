@@ -176,7 +176,7 @@ def test_blocks_split_the_timed_steps_into_rounds():
 
 
 class _Pool:
-    """What ``pool_check`` reads of a ``ProducerPool``: live processes, and ``wait`` raising
+    """What ``pool_check`` reads of a ``Producers``: live processes, and ``wait`` raising
     for a failed one."""
 
     def __init__(self, alive: int, failed: str = "") -> None:

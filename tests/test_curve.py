@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import stat
 import threading
@@ -288,3 +289,12 @@ def test_run_with_one_keys_directory(tmp_path, keys):
         summary = json.load(f)
     assert summary["steps"] == 2 and summary["batches"]["trained"] == 2
     assert summary["connections"]["handshake_succeeded"] >= 1
+
+
+def test_a_producer_key_is_named_by_a_hex_fingerprint_never_a_slice_of_z85():
+    """Issue 20 item 9: books named a key by 8 z85 characters (``key Ltpb.N$}``)."""
+    public, _secret = zmq.curve_keypair()
+    name = curve.key_fingerprint(public)
+    assert re.fullmatch(r"key [0-9a-f]{8}", name), name
+    assert name == curve.key_fingerprint(public.decode())  # bytes or text, the same name
+    assert name != curve.key_fingerprint(zmq.curve_keypair()[0])

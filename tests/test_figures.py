@@ -96,7 +96,7 @@ def test_window_figures() -> None:
     assert f.compute_ms == pytest.approx(300.0)
     assert f.consume_per_s == pytest.approx(20 / 6.0)
     assert f.step_per_s == pytest.approx(5.0)
-    assert f.images_per_s == pytest.approx(10.0)
+    assert f.examples_per_s == pytest.approx(10.0)
     assert f.deliver_per_s == pytest.approx(8.0)
     assert f.received_mb_per_s == pytest.approx(8.0 * SPEC.batch_bytes / 2**20)
     assert f.queue_mean_batches == pytest.approx(2.0)

@@ -1,7 +1,7 @@
 """Property-based fuzzing of the wire decoders and the schema parser (Hypothesis).
 
 Whatever the bytes, ``protocol.decode_header`` / ``decode_batch`` / ``check_against_schema`` /
-``schema_of_hello`` / ``check_producer_name``, ``shm_view.parse_descriptor`` (slot
+``schema_of_hello`` / ``check_producer_name``, ``Descriptor.parse`` (slot
 descriptors) and ``PoolAnnounce.from_wire`` (pool announces) raise nothing but
 ``ProtocolError`` and ``Schema.from_dict`` nothing but ``ConfigError``; each call stays within
 a per-example time (Hypothesis ``deadline``), a memory bound (tracemalloc peak,
@@ -35,7 +35,7 @@ from stagefeed.common.schema import (
     Schema,
 )
 from stagefeed.common.shm.layout import PoolAnnounce
-from stagefeed.common.shm.mapped import DESCRIPTOR_KEYS, parse_descriptor
+from stagefeed.common.shm.mapped import DESCRIPTOR_KEYS, Descriptor
 
 from tests.fuzz_shm_strategies import (
     announces,
@@ -265,7 +265,7 @@ def test_a_slot_descriptor_raises_only_protocol_error(desc):
     """Any descriptor (fields nested past repr's limit, oversized, mistyped, missing, extra)
     is parsed or refused as ``shm_descriptor``, in bounded time, memory and text."""
     desc = built(desc)
-    result = bounded(parse_descriptor, desc)
+    result = bounded(Descriptor.parse, desc)
     if isinstance(result, ProtocolError):
         assert result.reason is DropReason.SHM_DESCRIPTOR
         return
@@ -304,5 +304,8 @@ def test_an_end_header_raises_only_protocol_error(raw):
     header = bounded(protocol.decode_header, raw, protocol.FROM_PRODUCER)
     if isinstance(header, ProtocolError):
         return
-    assert set(header) == {"v", "t", "seq"} and header["t"] == "end"
+    assert set(header) - {"reason", "detail"} == {"v", "t", "seq"} and header["t"] == "end"
     assert type(header["seq"]) is int and 0 <= header["seq"] < 2**63
+    reason, detail = protocol.end_reason(header)
+    assert reason in protocol.END_REASONS | {protocol.END_OTHER}
+    assert len(detail) <= protocol.MAX_DETAIL_LEN and (not detail or detail.isprintable())

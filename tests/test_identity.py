@@ -16,6 +16,7 @@ import threading
 import pytest
 import zmq
 from stagefeed.common import curve, protocol
+from stagefeed.common.curve import key_fingerprint
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
@@ -282,7 +283,7 @@ def test_with_curve_books_are_labelled_by_the_key(keys):
             assert p.hello("twin")["t"] == "welcome"
         # A connection with key 1 naming itself after key 0's label gets a label of its own.
         mimic = r.peer(k1)
-        assert mimic.hello(f"twin key {pub0[:8]}")["t"] == "welcome"
+        assert mimic.hello(f"twin {key_fingerprint(pub0)}")["t"] == "welcome"
         # Four connections share a pool of four credits: each hands its own back when done.
         send_valid(a, [0, 1, 2], end=True)
         send_valid(b, [0, 1], end=True)
@@ -290,15 +291,15 @@ def test_with_curve_books_are_labelled_by_the_key(keys):
         send_valid(mimic, [0], end=True)
         settle(r, 7)
         summary = books(r)
-        label0 = f"twin key {pub0[:8]}"  # the first connection keeps it, the second gets #i
-        # (a z85 key fragment may hold a '#' itself: only a '#' and digits after it are ours)
+        label0 = f"twin {key_fingerprint(pub0)}"  # the first keeps it, the second gets #i
+        # (only a "#" and digits after it are ours)
         by_key0 = {
             k: v for k, v in summary.items()
             if k == label0 or (k.startswith(label0 + "#") and k[len(label0) + 1 :].isdigit())
         }  # fmt: skip
         assert sorted(v["received"] for v in by_key0.values()) == [1, 3], summary
-        assert summary[f"twin key {pub1[:8]}"]["received"] == 2
-        assert summary[f"twin key {pub0[:8]} key {pub1[:8]}"]["received"] == 1
+        assert summary[f"twin {key_fingerprint(pub1)}"]["received"] == 2
+        assert summary[f"twin {key_fingerprint(pub0)} {key_fingerprint(pub1)}"]["received"] == 1
         assert all(v["seq_duplicates"] == 0 and v["dropped"] == {} for v in summary.values())
     finally:
         r.close()
@@ -318,8 +319,8 @@ def test_trainer_labels_books_and_metrics_by_curve_key(tmp_path, keys):
         )
         live = trainer.wait_metrics(lambda m: any(v >= 2 for v in m.trained.values()), 120)
         [good] = [k for k, v in live.trained.items() if v >= 2]
-        assert good.endswith(f" key {pub0[:8]}"), good
-        name = good[: -len(f" key {pub0[:8]}")]
+        assert good.endswith(f" {key_fingerprint(pub0)}"), good
+        name = good[: -len(f" {key_fingerprint(pub0)}")]
         other = Peer(
             ctx,
             trainer.endpoint,
@@ -327,7 +328,7 @@ def test_trainer_labels_books_and_metrics_by_curve_key(tmp_path, keys):
         )
         assert other.hello(name)["t"] == "welcome"
         other.send_batch(wire.good_frames(0))
-        mimic_label = f"{name} key {pub1[:8]}"
+        mimic_label = f"{name} {key_fingerprint(pub1)}"
         live = trainer.wait_metrics(lambda m: m.received.get(mimic_label, 0) == 1, 30)
         assert live.received[mimic_label] == 1
         was = live.trained[good]

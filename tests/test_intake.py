@@ -326,3 +326,56 @@ def test_only_a_producer_that_delivered_can_end_the_data(intake, caplog):
     assert not intake.data_ended()
     again.send(protocol.encode_control("end", seq=1))
     _wait(intake.data_ended, "the data to end once the run that delivered said end")
+
+
+def test_an_end_books_why_the_producer_left(intake, caplog):
+    """A plain ``end`` is reason ok; ``source_error`` is booked with its detail and logged in
+    one line naming the producer; an unknown reason is ``other``, its detail sanitised."""
+    caplog.set_level("INFO", logger="stagefeed.common.ledger")
+    ok, bad, odd = _peer(intake), _peer(intake), _peer(intake)
+    for sock, name in ((ok, "ok-p"), (bad, "bad-p"), (odd, "odd-p")):
+        _hello(sock, name=name)
+    bad.send_multipart(protocol.encode_batch(0, GOOD))
+    ok.send(protocol.encode_control("end", seq=0))
+    detail = "source 'm:f' batch 1: y: value 99 outside [0, 10)"
+    bad.send(protocol.encode_control("end", seq=1, reason="source_error", detail=detail))
+    odd.send(msgpack.packb({"v": 2, "t": "end", "seq": 0, "reason": "x\n", "detail": "a\x1bb"}))
+    _wait(lambda: intake.ledger.read().ended == {"ok": 1, "source_error": 1, "other": 1}, "ends")
+    books = intake.ledger.summary()
+    assert (books["bad-p"]["end_reason"], books["bad-p"]["end_detail"]) == ("source_error", detail)
+    assert (books["ok-p"]["end_reason"], books["ok-p"]["end_detail"]) == ("ok", "")
+    assert (books["odd-p"]["end_reason"], books["odd-p"]["end_detail"]) == ("other", "a b")
+    assert sorted(intake.ledger.left(), key=lambda left: left["producer"]) == [
+        {"producer": "bad-p", "reason": "source_error", "detail": detail, "ended_after": 1},
+        {"producer": "odd-p", "reason": "other", "detail": "a b", "ended_after": 0},
+    ]
+    said = [r.getMessage() for r in caplog.records if "bad-p" in r.getMessage()]
+    assert said[-1] == f"producer bad-p: end of data after 1 batches (source_error: {detail})"
+    _wait(intake.data_ended, "the data to end: the producer that delivered said end")
+    assert intake.recorder.got == [(1, 0)]  # its good batch was enqueued
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"seq": 0, "reason": "source_error", "detail": "x" * 100_000},  # over the header cap
+        {"seq": 0, "reason": "source_error", "detail": "x" * 1000},  # over MAX_DETAIL_LEN
+        {"seq": 0, "reason": ["source_error"] * 1000, "detail": "x"},
+        {"seq": 0, "reason": "source_error", "detail": {"k": [[[[]]]]}},
+        {"seq": 0, "reason": "source_error"},
+    ],
+    ids=["huge", "long", "reason-list", "detail-map", "half"],
+)
+def test_a_hostile_end_is_dropped_and_counted_and_the_intake_goes_on(intake, fields):
+    sock = _peer(intake)
+    _hello(sock, name="hostile")
+    sock.send(msgpack.packb({"v": 2, "t": "end", **fields}))
+    reason = "header_size" if len(str(fields.get("detail"))) > 16384 else "header_fields"
+    _wait(lambda: intake.ledger.drops_by_reason() == {reason: 1}, "the drop")
+    assert intake.ledger.summary()["hostile"]["end_reason"] is None  # not an end
+    assert intake.ledger.read().ended == {}
+    sock.send_multipart(protocol.encode_batch(0, GOOD))  # the connection still works
+    _wait(lambda: intake.recorder.got == [(0, 0)], "the next batch enqueued")
+    sock.send(protocol.encode_control("end", seq=1))
+    _wait(lambda: intake.ledger.read().ended == {"ok": 1}, "the end after")
+    intake.check()

@@ -90,7 +90,7 @@ def test_every_batch_sent_is_trained_or_queued(tmp_path, start_cli):
     # The seed's AlexNet (dense kernels of stddev 1.0, SGD 0.01) diverges on batches of 2
     # random images after a few steps: only the first loss is asked to be finite here.
     assert summary["loss_first"] is not None and math.isfinite(summary["loss_first"])
-    assert summary["median_ms"] > 0 and summary["images_per_s"] > 0
+    assert summary["median_ms"] > 0 and summary["examples_per_s"] > 0
 
 
 def test_trainer_stopped_by_signal_accounts_for_what_it_holds(tmp_path, start_cli):
@@ -183,3 +183,36 @@ def test_an_end_from_a_peer_that_delivered_nothing_does_not_end_the_data(tmp_pat
         assert producers.wait(60) == 0, producers.output()
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_source_failing_at_batch_3_has_its_good_batches_trained_and_its_reason_booked(
+    tmp_path, start_cli
+):
+    """A producer whose labels go out of bounds at batch 3: batches 0..2 are delivered and
+    trained, the trainer's log, text summary, JSON and metrics say why the producer left, and
+    ``stagefeed produce`` still exits 2 with the error in one line."""
+    port, summary_path = free_tcp_port(), tmp_path / "summary.json"
+    trainer = _endless_trainer(start_cli, port, summary_path)
+    source = "tests.user_source:labels_out_of_bounds_at_3"
+    producer = start_cli(
+        ["produce", "--connect", f"tcp://127.0.0.1:{port}", *TINY, "--source", source],
+        name="producer",
+    )
+    assert producer.wait(120) == 2, producer.output()
+    errors = [line for line in producer.output().splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"stagefeed: error: source '{source}'")
+    reason = errors[0].removeprefix("stagefeed: error: ")
+    assert reason.startswith(f"source '{source}' batch 3: "), reason
+    assert "labels" in reason, reason
+    assert trainer.wait(120) == 0, trainer.output()  # its data ended: the producer said end
+    output, summary = trainer.output(), _summary(summary_path)
+    [(name, stats)] = summary["producers"].items()
+    assert (stats["received"], stats["trained"], stats["ended_after"]) == (3, 3, 3)
+    assert (stats["end_reason"], stats["end_detail"]) == ("source_error", reason)
+    assert summary["producers_ended"] == {"source_error": 1}
+    assert summary["producers_left"] == [
+        {"producer": name, "reason": "source_error", "detail": reason, "ended_after": 3}
+    ]
+    assert f"producer {name}: end of data after 3 batches (source_error: {reason})" in output
+    assert f"producer {name} left after 3 batches: source_error: {reason}" in output
+    assert f"{name}: received 3, trained 3" in output and ", ended source_error" in output

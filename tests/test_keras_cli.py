@@ -127,5 +127,8 @@ def test_a_source_that_sends_a_wrong_batch_ends_the_run_in_one_line_in_every_mod
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("stagefeed: error:")]
-    assert len(errors) == 1 and "wrong_third" in errors[0] and "features" in errors[0], errors
+    assert len(errors) == 1 and "wrong_third' batch 2 is short: 3 rows" in errors[0], errors
+    assert "pass --short-batch drop" in errors[0]
+    assert done.stderr.strip().splitlines()[-1] == errors[0]  # the last line: what to fix
+    assert "stagefeed summary" in done.stdout, done.stdout
     assert "Traceback" not in done.stderr

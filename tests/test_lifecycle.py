@@ -13,7 +13,7 @@ from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import URGENT_S, Shutdown, on_stop_signals, stop_processes
 from stagefeed.common.options import ProducerOptions
 from stagefeed.common.schema import image_schema
-from stagefeed.producer.pool import ProducerPool
+from stagefeed.producer.pool import Producers
 
 from tests.conftest import free_tcp_port, wait_for
 
@@ -118,7 +118,7 @@ def test_stop_processes_kills_a_process_ignoring_sigterm_and_hurry_cuts_the_join
     assert time.monotonic() - began < 30  # hurried: the 60 s join was cut short
 
 
-def _pool(source: str = "synthetic") -> ProducerPool:
+def _pool(source: str = "synthetic") -> Producers:
     options = ProducerOptions(
         connect=f"tcp://127.0.0.1:{free_tcp_port()}",  # nobody listens
         workers=2,
@@ -126,7 +126,7 @@ def _pool(source: str = "synthetic") -> ProducerPool:
         source=source,
         inflight_mb=1,
     )
-    return ProducerPool(options).start()
+    return Producers(options).start()
 
 
 def test_workers_stopped_by_the_flag_are_no_failure():

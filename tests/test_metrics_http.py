@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from stagefeed.common.errors import ConfigError, DropReason
 from stagefeed.common.ledger import Ledger
+from stagefeed.common.options import ObserveOptions
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer.observe.figures import RunFacts, RunReader, StepCounters, take_snapshot
-from stagefeed.consumer.observe.monitor import ObserveOptions
 from stagefeed.consumer.observe.prometheus import CLIENT_TIMEOUT_S, MAX_CLIENTS, MetricsServer
 from stagefeed.consumer.trainer_base import StepRecord
 
@@ -141,9 +141,9 @@ def _served(
 
 
 def _books(ledger: Ledger, counters: StepCounters) -> None:
-    """Two producers: prod-a delivers seq 0 and 2 (1 missing) and a duplicate; prod-b one;
-    prod-c only says hello. One message without a connection, two connection events and a
-    refused hello."""
+    """Two producers: prod-a delivers seq 0 and 2 (1 missing) and a duplicate, then ends ok;
+    prod-b one, then ends with a source error; prod-c only says hello. One message without a
+    connection, two connection events and a refused hello."""
     a, b = ledger.open("prod-a"), ledger.open("prod-b")
     ledger.open("prod-c")
     ledger.accept(a, 0, SPEC.batch_bytes)
@@ -155,6 +155,8 @@ def _books(ledger: Ledger, counters: StepCounters) -> None:
     ledger.peer_event("accepted")
     ledger.peer_event("accepted")
     ledger.refused("prod-x", "spec_mismatch", "images: ...")
+    ledger.ended(a, 3)
+    ledger.ended(b, 1, "source_error", "source 'm:f' batch 1: ...")
     counters.add(StepRecord(1, True, 0.25, 0.5, 3.5, 0, 0.0))
 
 
@@ -175,6 +177,8 @@ def test_scrape_reports_the_books_and_close_joins_the_threads() -> None:
     assert value(metrics, "stagefeed_dropped_messages_total", reason="no_hello") == 1
     assert value(metrics, "stagefeed_connection_events_total", event="accepted") == 2
     assert value(metrics, "stagefeed_refused_hellos_total", reason="spec_mismatch") == 1
+    assert value(metrics, "stagefeed_producers_ended_total", reason="ok") == 1
+    assert value(metrics, "stagefeed_producers_ended_total", reason="source_error") == 1
     assert value(metrics, "stagefeed_steps_total") == 1
     assert value(metrics, "stagefeed_input_wait_seconds_total") == 0.25
     assert value(metrics, "stagefeed_step_compute_seconds_total") == 0.5

@@ -14,11 +14,11 @@ import time
 import pytest
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
-from stagefeed.common.options import TrainerOptions
+from stagefeed.common.options import ObserveOptions, TrainerOptions
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer.graph.trainer import Trainer
 from stagefeed.consumer.observe.figures import RunFacts, RunReader
-from stagefeed.consumer.observe.monitor import Monitor, ObserveOptions, unthrottled_producer_rate
+from stagefeed.consumer.observe.monitor import Monitor, unthrottled_producer_rate
 from stagefeed.consumer.observe.summary import format_text, summarize
 from stagefeed.consumer.trainer_base import StepRecord
 
@@ -142,7 +142,7 @@ def test_the_summary_takes_the_final_figures_as_they_are() -> None:
     summary = summarize(trainer, final, wall_s=10.0, interrupted=False)
     assert summary["median_ms"] == summary["p10_ms"] == summary["p90_ms"] == 300.0
     assert summary["stall_pct"] == round(final.window.stall_pct, 2) == 33.33
-    assert summary["images_per_s"] == round(final.window.images_per_s, 2)
+    assert summary["examples_per_s"] == round(final.window.examples_per_s, 2)
     assert summary["received_mb_per_s"] == round(final.window.received_mb_per_s, 2)
     assert (summary["advice"], summary["bottleneck"]) == (final.advice.text, final.advice.kind)
     assert "advice: " + final.advice.text in format_text(summary)
@@ -157,7 +157,7 @@ def test_the_summary_takes_the_final_figures_as_they_are() -> None:
     assert f"memory: peak RSS {memory['peak_rss_mb']} MiB" in format_text(summary)
 
     never = summarize(trainer, None, wall_s=1.0, interrupted=True)
-    assert never["median_ms"] is never["stall_pct"] is never["images_per_s"] is None
+    assert never["median_ms"] is never["stall_pct"] is never["examples_per_s"] is None
     assert "advice" not in never and "bottleneck" not in never
 
 

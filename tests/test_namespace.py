@@ -29,7 +29,7 @@ def test_import_stagefeed_and_the_producer_side_do_not_import_tensorflow():
     code = (
         "import sys, stagefeed, stagefeed.cli, stagefeed.launcher;"
         "import stagefeed.producer.worker, stagefeed.producer.pool, stagefeed.producer.sources;"
-        "stagefeed.cli.build_parser();"
+        "stagefeed.cli.build_parser(); stagefeed.Producers, stagefeed.WorkerBook;"
         "print('tensorflow' in sys.modules, 'keras' in sys.modules)"
     )
     out = subprocess.run(
@@ -103,7 +103,8 @@ KERAS_RUN_MODULES = """
 import sys
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import model_ref
-from stagefeed.consumer.observe.monitor import Monitor, ObserveOptions
+from stagefeed.common.options import ObserveOptions
+from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.summary import format_text, summarize
 from tests.regression_models import SCHEMA
 

@@ -1,4 +1,4 @@
-"""``produce()`` and ``ProducerPool`` against the v2 trainer stand-in: final lines with true
+"""``produce()`` and ``Producers`` against the v2 trainer stand-in: final lines with true
 numbers, buffer reuse safety, pings while a source blocks, failures carried to the pool."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.producer.pool import ProducerPool
+from stagefeed.producer.pool import Producers
 from stagefeed.producer.sources import WorkerInfo
 from stagefeed.producer.worker import produce
 
@@ -159,7 +159,7 @@ def wrong_schema() -> Schema:
 )
 def test_a_workers_failure_reaches_the_pool_as_one_line(kwargs, error, code, message):
     with StandInTrainer(SMALL, credit=4) as trainer:
-        pool = ProducerPool(options_for(trainer, workers=2, **kwargs), logging.WARNING).start()
+        pool = Producers(options_for(trainer, workers=2, **kwargs), logging.WARNING).start()
         try:
             assert wait_for(lambda: pool.alive() == 0, 60)
             with pytest.raises(error) as info:
@@ -172,7 +172,7 @@ def test_a_workers_failure_reaches_the_pool_as_one_line(kwargs, error, code, mes
 
 def test_a_pool_whose_workers_finish_reports_nothing():
     with StandInTrainer(SMALL, credit=4, regrant=True) as trainer:
-        pool = ProducerPool(options_for(trainer, workers=2, max_batches=5)).start()
+        pool = Producers(options_for(trainer, workers=2, max_batches=5)).start()
         try:
             assert pool.wait(60)
         finally:
@@ -181,3 +181,43 @@ def test_a_pool_whose_workers_finish_reports_nothing():
     assert sorted(seq for _, seq in trainer.ends) == [5, 5]
     assert [p.exitcode for p in pool.processes] == [0, 0]
     assert np.bincount([r.seq for r in trainer.received]).tolist() == [2] * 5
+
+
+def test_a_source_failing_at_batch_3_delivers_what_it_made_then_says_why(caplog):
+    """Batches 0..2 reach the trainer (none discarded), then ``end`` says ``source_error``
+    with the error's text, and ``produce`` raises the source's error."""
+    with StandInTrainer(SMALL, credit=1, regrant=True, read_delay_s=0.05) as trainer:
+        options = options_for(trainer, schema=SMALL, source="tests.user_source:wrong_dtype_at_3")
+        with pytest.raises(ConfigError) as info:
+            Running(options).join()
+        assert wait_for(lambda: trainer.byes, 5)
+    message = (
+        "source 'tests.user_source:wrong_dtype_at_3' batch 3: x is float64[4, 16], "
+        "expected float32[4, 16]"
+    )
+    assert str(info.value) == message
+    assert trainer.seqs() == [0, 1, 2]
+    [bye] = trainer.byes
+    assert bye == {"v": 2, "t": "end", "seq": 3, "reason": "source_error", "detail": message}
+    assert not lines(caplog, "discarded")
+    [final] = lines(caplog, "source failed")
+    assert final.startswith("producer test-producer source failed, ending: 3 batches (seq 0..2)")
+
+
+def test_a_source_failing_at_start_still_says_why():
+    with StandInTrainer(SMALL, credit=2) as trainer:
+        options = options_for(trainer, schema=SMALL, source="tests.user_source:fails_to_start")
+        with pytest.raises(BrokenError) as info:
+            Running(options).join()
+        assert wait_for(lambda: trainer.byes, 5)
+    assert trainer.seqs() == []
+    [bye] = trainer.byes
+    assert (bye["seq"], bye["reason"], bye["detail"]) == (0, "source_error", str(info.value))
+    assert "failed to start: OSError: no data here" in bye["detail"]
+
+
+def test_a_normal_end_is_the_plain_end_every_trainer_knows():
+    with StandInTrainer(SMALL, credit=8) as trainer:
+        assert Running(options_for(trainer, schema=SMALL, max_batches=2)).join() == 2
+        assert wait_for(lambda: trainer.byes, 5)
+    assert trainer.byes == [{"v": 2, "t": "end", "seq": 2}]  # no reason: ok (common/protocol.py)

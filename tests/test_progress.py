@@ -9,7 +9,13 @@ import subprocess
 import threading
 
 import pytest
-from stagefeed.consumer.observe.progress import CLEAR_LINE, TTY_INTERVAL_S, Progress, format_line
+from stagefeed.consumer.observe.progress import (
+    CLEAR_LINE,
+    TTY_INTERVAL_S,
+    Progress,
+    format_line,
+    size_text,
+)
 
 from tests.conftest import REPO, TINY, cli, cli_env
 from tests.figures_util import window
@@ -26,15 +32,15 @@ def test_line_shows_the_issue_figures() -> None:
         per_producer={"a": 10, "b": 0},
     )
     assert format_line(f, steps_planned=100) == (
-        "step 10/100  400 ms/step  10 img/s  stall 25%  queue 3/434 (3.5 MiB)  "
-        "6 MiB/s in  producers 1/2"
+        "step 10/100  400 ms/step  10 examples/s  stall 25%  queue 3/434 (3.5 MiB)  "
+        "5.9 MiB/s in  producers 1/2"
     )
 
 
 def test_line_until_stopped_without_steps_and_with_drops() -> None:
     f = window(seconds=2, steps=0, dropped={"dtype": 2, "parts": 1})
     line = format_line(f, steps_planned=0)
-    assert line.startswith("step 0/-  - ms/step  0 img/s  stall -%  ")
+    assert line.startswith("step 0/-  - ms/step  0 examples/s  stall -%  ")
     assert line.endswith("  dropped 3 (dtype 2, parts 1)")
 
 
@@ -120,6 +126,14 @@ def test_a_real_run_on_a_terminal_shows_the_live_line() -> None:
     assert lines, terminal[-3000:]
     last = lines[-1].split("\r\n")[0]
     assert last.startswith("step 8/8  "), last
-    for field in (" ms/step  ", " img/s  ", "  stall ", "  queue ", " MiB/s in  ", "producers 1/1"):
+    fields = (" ms/step  ", " examples/s  ", "  stall ", "  queue ", " MiB/s in  ", "producers 1/1")
+    for field in fields:
         assert field in last, last
     assert b"advice: " in stdout
+
+
+def test_sizes_keep_their_digits_small_batches_included():
+    """Issue 20 item 9: a text classifier's batches must not all read ``0.0 MiB``."""
+    assert [size_text(m) for m in (158.0, 3.52, 0.25, 8 / 1024, 100 / 2**20, float("nan"))] == [
+        "158 MiB", "3.5 MiB", "256 KiB", "8 KiB", "100 B", "- MiB",
+    ]  # fmt: skip

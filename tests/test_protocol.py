@@ -309,3 +309,41 @@ def test_encode_refuses_a_partial_optional_group_and_unknown_fields():
     with pytest.raises(ValueError, match="unexpected"):
         protocol.encode_control("release", pool="p", slot=0, gen=1, extra=1)
     assert not protocol.FROM_PRODUCER & protocol.FROM_TRAINER
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"seq": 3}, ("ok", "")),  # every producer's end before reasons: ok
+        ({"seq": 3, "reason": "source_error", "detail": "x: y"}, ("source_error", "x: y")),
+        ({"seq": 3, "reason": "ok", "detail": ""}, ("ok", "")),
+        ({"seq": 3, "reason": "\x1b[31mpwned", "detail": "a\nb\x00c"}, ("other", "a b c")),
+    ],
+    ids=["plain", "source-error", "explicit-ok", "unknown-reason-control-chars"],
+)
+def test_an_end_says_why_the_producer_leaves(fields, expected):
+    header = protocol.decode_header(_control("end", **fields), protocol.FROM_PRODUCER)
+    assert protocol.end_reason(header) == expected
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"seq": 3, "reason": "source_error"},  # reason without detail
+        {"seq": 3, "detail": "x"},
+        {"seq": 3, "reason": 7, "detail": "x"},
+        {"seq": 3, "reason": "source_error", "detail": ["x"] * 10},
+        {"seq": 3, "reason": "source_error", "detail": "x" * (protocol.MAX_DETAIL_LEN + 1)},
+        {"seq": 3, "reason": "x" * 5000, "detail": ""},
+    ],
+    ids=["no-detail", "no-reason", "reason-int", "detail-list", "detail-long", "reason-huge"],
+)
+def test_a_malformed_end_reason_is_a_header_fields_drop(fields):
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_header(_control("end", **fields), protocol.FROM_PRODUCER)
+    assert info.value.reason is DropReason.HEADER_FIELDS
+
+
+def test_one_line_bounds_and_sanitises():
+    assert protocol.one_line("a\r\nb\tc" + "d" * 1000) == "a  b c" + "d" * 294
+    assert len(protocol.one_line("é" * 1000, 10)) == 10

@@ -50,7 +50,7 @@ def test_run_trains_and_writes_the_summary(tmp_path, dtype, transport):
     }  # fmt: skip
     assert summary["steps"] == 4 and summary["warmup_steps"] == 2
     assert not summary["interrupted"]
-    for key in ("median_ms", "p90_ms", "images_per_s", "received_mb_per_s"):
+    for key in ("median_ms", "p90_ms", "examples_per_s", "received_mb_per_s"):
         assert summary[key] > 0, key
     assert summary["p90_ms"] >= summary["median_ms"]
     assert 0 <= summary["stall_pct"] <= 100

@@ -39,6 +39,24 @@ def test_the_data_ending_drains_and_says_so():
     assert (verdict.ending, verdict.data_ended) == (Ending.DRAIN, True)
 
 
+def test_an_end_grace_waits_for_late_producers_and_a_new_hello_restarts_it():
+    inputs = Inputs()
+    run_end = RunEnd(inputs.stop, lambda: inputs.ended, [], clock=lambda: inputs.now,
+                     end_grace_s=1.0)  # fmt: skip
+    inputs.ended = True
+    assert run_end.poll().ending is Ending.RUNNING  # the grace starts
+    inputs.now = 0.5
+    inputs.ended = False  # a late producer said hello: its data has not ended
+    assert run_end.poll().ending is Ending.RUNNING
+    inputs.ended, inputs.now = True, 0.7
+    assert run_end.poll().ending is Ending.RUNNING  # a new grace from 0.7
+    inputs.now = 1.6
+    assert run_end.poll().ending is Ending.RUNNING
+    inputs.now = 1.7
+    verdict = run_end.poll()
+    assert (verdict.ending, verdict.data_ended) == (Ending.DRAIN, True)
+
+
 def test_producers_gone_without_end_drain_after_the_grace_only():
     inputs = Inputs()
     run_end = inputs.run_end(grace_s=2.0)

@@ -85,6 +85,37 @@ def test_warn_goes_on_for_every_epoch_and_saves_checkpoints_and_the_model(tmp_pa
     assert reader.get_variable_to_shape_map()["w"] == [3, 1]
 
 
+@pytest.mark.parametrize(
+    ("model", "required", "code"),
+    [("tests.regression_models:linear_fn", False, 0),
+     ("tests.regression_models:build", False, 0),
+     ("tests.regression_models:build", True, 5)],  # fmt: skip
+    ids=["graph", "keras", "keras-required"],
+)
+def test_data_that_ends_before_the_planned_epochs_is_a_warning_or_exit_5(
+    tmp_path, model, required, code
+):
+    """Issue 20 item 3: 6 batches for 2 epochs of 5 steps. The run trains all 6 and says in
+    its summary (text and JSON) that it ended short, and why; --require-full-run exits 5."""
+    out = tmp_path / "summary.json"
+    done = run_cli([
+        *REGRESSION, "--model", model, "--epochs", "2", "--steps-per-epoch", "5",
+        "--max-batches", "6", "--json", str(out), *(["--require-full-run"] if required else []),
+    ])  # fmt: skip
+    assert done.returncode == code, done.stderr[-3000:]
+    warning = [line for line in done.stdout.splitlines() if "WARNING: ended after" in line]
+    assert len(warning) == 1, done.stdout
+    assert "6 of 10 planned steps, 1 of 2 epochs: every producer's data ended" in warning[0]
+    summary = json.loads(out.read_text())
+    assert summary["run_length"] == {
+        "planned_steps": 10, "steps_done": 6, "planned_epochs": 2, "epochs_done": 1,
+        "complete": False, "short_because": "every producer's data ended",
+    }  # fmt: skip
+    assert summary["batches"]["trained"] == 6 and "Traceback" not in done.stderr
+    if required:
+        assert "--require-full-run: every producer's data ended" in done.stderr
+
+
 BANNER = ("cpu_feature_guard", "oneDNN custom operations", "absl::InitializeLog")
 # oneDNN's optimisations on whatever the CPU, so its load-time banner is printed on every machine.
 ONEDNN_ON = {"TF_ENABLE_ONEDNN_OPTS": "1"}

@@ -22,7 +22,7 @@ import pytest
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.shm.fd_passing import FdChannel, FdListener, accept_pool, offer_pool
 from stagefeed.common.shm.layout import PoolAnnounce, SlotLayout
-from stagefeed.common.shm.mapped import MappedPool
+from stagefeed.common.shm.mapped import Descriptor, MappedPool
 from stagefeed.common.shm.slots import SlotPool, reserve
 
 from tests.conftest import REPO, cli_env
@@ -74,7 +74,7 @@ def test_producer_killed_mid_write_leaves_no_torn_slot_and_nothing_in_dev_shm(sp
         os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{child.pid}/fd")
     ]
     assert [link for link in links if link.startswith("/memfd:stagefeed-")], links
-    held = pool.view(first)
+    held = pool.view(Descriptor.parse(first))
     # It has written the torn slot (whole, then on without end) and says so: killed after that.
     assert channel.recv(timeout=30)[0] == {"written": torn["slot"]}
     child.send_signal(signal.SIGKILL)
@@ -83,9 +83,11 @@ def test_producer_killed_mid_write_leaves_no_torn_slot_and_nothing_in_dev_shm(sp
     new = set(os.listdir("/dev/shm")) - before
     assert not [name for name in new if not name.startswith("sem.mp-")], new  # others' locks
     with pytest.raises(ProtocolError) as caught:
-        pool.view(torn)
+        pool.view(Descriptor.parse(torn))
     assert caught.value.reason is DropReason.SHM_UNCOMMITTED
-    late = pool.view(second)  # accepted after its producer died: the mapping is ours
+    late = pool.view(
+        Descriptor.parse(second)
+    )  # accepted after its producer died: the mapping is ours
     assert intact(held, 1) and intact(late, 2)
     del held, late
     assert len(released) == 2
@@ -151,7 +153,9 @@ def test_a_producer_cannot_truncate_its_pool_under_a_reader(spawn, sealed):
 
 def _reader(channel: FdChannel, mode: str) -> None:
     if mode == "sealed":
-        views = accept_pool(channel, lambda *a: None, timeout=30).view(channel.recv(30)[0])
+        views = accept_pool(channel, lambda *a: None, timeout=30).view(
+            Descriptor.parse(channel.recv(30)[0])
+        )
         channel.send({"mapped": True})
         channel.recv(timeout=30)
         seq = int(views["y"][0])
@@ -265,7 +269,7 @@ def run_canary(spawn, early_release: bool, slots: int = 4, total: int = 300) -> 
         bad += not intact(views, seq)
 
     while "done" not in (message := inbox.next()):
-        views = pool.view(message)
+        views = pool.view(Descriptor.parse(message))
         key = (message["slot"], message["gen"])
         if early_release:
             channel.send({"release": list(key)})

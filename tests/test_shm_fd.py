@@ -27,6 +27,7 @@ from stagefeed.common.shm.fd_passing import (
     offer_pool,
 )
 from stagefeed.common.shm.layout import SlotLayout
+from stagefeed.common.shm.mapped import Descriptor
 from stagefeed.common.shm.slots import SlotPool
 
 from tests.conftest import REPO, cli_env
@@ -191,7 +192,7 @@ def test_pool_handoff_to_a_real_producer_process(listener):
         pool = accept_pool(channel, on_release, timeout=30)
         desc, fd = channel.recv(timeout=30)
         assert fd is None
-        views = pool.view(desc)
+        views = pool.view(Descriptor.parse(desc))
         assert np.all(views["x"] == 0xAB) and views["y"].tolist() == [0, 1, 2, 3]
         del views
         assert released == [(pool.pool_id, desc["slot"], desc["gen"])]

@@ -14,7 +14,7 @@ from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, DropR
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.common.shm.slots import pool_slots
+from stagefeed.common.shm.sizing import pool_slots
 from stagefeed.consumer.intake.shm_config import default_socket_path
 from stagefeed.consumer.intake.shm_gate import ShmGate
 from stagefeed.producer.shm_lane import ShmLane, ShmOffer

@@ -27,8 +27,9 @@ from stagefeed.common.shm.layout import (
     PoolAnnounce,
     SlotLayout,
 )
-from stagefeed.common.shm.mapped import MappedPool, PoolTable
-from stagefeed.common.shm.slots import SlotPool, reserve, slots_needed, slots_per_pool
+from stagefeed.common.shm.mapped import Descriptor, MappedPool, PoolTable
+from stagefeed.common.shm.sizing import slots_needed, slots_per_pool
+from stagefeed.common.shm.slots import SlotPool, reserve
 
 # Odd sizes on purpose: no array's size is a multiple of 64.
 ODD = SlotLayout.of(
@@ -41,6 +42,7 @@ ODD = SlotLayout.of(
     ]  # fmt: skip
 )
 SMALL = SlotLayout.of([("x", np.uint8, (1000,)), ("y", np.int64, (3,))])
+OWNER = b"connection-1"  # a PoolTable owner: a ZeroMQ routing id in the trainer
 
 
 class Released:
@@ -85,7 +87,7 @@ def test_layout_offsets_and_every_view_are_64_byte_aligned(pair):
         slot = pool.acquire(timeout=1)
         writable = pool.arrays(slot)
         assert [a.ctypes.data % 64 for a in writable.values()] == [0] * 5
-        views = mapped.view(pool.commit(slot, seq))
+        views = mapped.view(Descriptor.parse(pool.commit(slot, seq)))
         assert [v.ctypes.data % 64 for v in views.values()] == [0] * 5
         assert [v.shape for v in views.values()] == [a.shape for a in ODD.arrays]
         assert all(v.flags.c_contiguous and not v.flags.writeable for v in views.values())
@@ -149,7 +151,7 @@ def test_commit_then_view_round_trip_is_read_only(pair):
     arrays = pool.arrays(slot)
     arrays["x"][:] = np.arange(1000) % 251
     arrays["y"][:] = [-1, 2**40, 3]
-    views = mapped.view(pool.commit(slot, seq=11))
+    views = mapped.view(Descriptor.parse(pool.commit(slot, seq=11)))
     assert np.array_equal(views["x"], np.arange(1000) % 251)
     assert views["y"].tolist() == [-1, 2**40, 3]
     with pytest.raises(ValueError, match="read-only"):
@@ -161,7 +163,7 @@ def test_commit_then_view_round_trip_is_read_only(pair):
 def test_each_bad_descriptor_is_refused_with_its_reason(pair):
     pool, mapped, _ = pair(slots=2)
     table = PoolTable()
-    table.add(mapped)
+    table.add(mapped, OWNER)
     good = publish(pool, seq=1)
     writing = pool.acquire(timeout=1)  # acquired, never committed
     torn = {"pool": pool.pool_id, "slot": writing, "gen": 1, "seq": 2}
@@ -173,25 +175,25 @@ def test_each_bad_descriptor_is_refused_with_its_reason(pair):
         DropReason.SHM_SEQUENCE: dict(good, seq=2),
     }
     for reason, desc in cases.items():
-        for refuser in (mapped.view, table.view):
+        for refuser in (mapped.view, lambda d: table.view(d, OWNER)):
             with pytest.raises(ProtocolError) as caught:
-                refuser(desc)
+                refuser(Descriptor.parse(desc))
             assert caught.value.reason is reason, desc
-    views = table.view(good)
+    views = table.view(Descriptor.parse(good), OWNER)
     with pytest.raises(ProtocolError) as caught:
-        mapped.view(good)  # replayed while the first copy is alive
+        mapped.view(Descriptor.parse(good))  # replayed while the first copy is alive
     assert caught.value.reason is DropReason.SHM_REPLAY
     del views
     assert pool.release(good["slot"], good["gen"])
     with pytest.raises(ProtocolError) as caught:
-        mapped.view(good)  # replayed after release, before the slot is rewritten
+        mapped.view(Descriptor.parse(good))  # replayed after release, before the slot is rewritten
     assert caught.value.reason is DropReason.SHM_REPLAY
     pool.discard(writing)
     while (slot := pool.acquire(timeout=1)) != good["slot"]:
         pool.discard(slot)
     pool.commit(slot, seq=3)
     with pytest.raises(ProtocolError) as caught:
-        mapped.view(good)  # the slot was rewritten: stale generation
+        mapped.view(Descriptor.parse(good))  # the slot was rewritten: stale generation
     assert caught.value.reason is DropReason.SHM_GENERATION
     table.close()
 
@@ -209,15 +211,15 @@ def test_malformed_descriptors_raise_only_protocol_errors(pair):
         junk[-1]["pool"] = pool.pool_id
     for desc in junk:
         with pytest.raises(ProtocolError):
-            mapped.view(desc)
+            mapped.view(Descriptor.parse(desc))
     assert mapped.outstanding() == {}
-    assert mapped.view(good)  # refusals did not disturb the valid descriptor
+    assert mapped.view(Descriptor.parse(good))  # refusals did not disturb the valid descriptor
 
 
 def test_release_fires_once_when_the_last_view_of_a_slot_dies(pair):
     pool, mapped, hook = pair()
     desc = publish(pool, seq=5)
-    views = mapped.view(desc)
+    views = mapped.view(Descriptor.parse(desc))
     x, y = views["x"], views["y"]
     derived = x[10:20]  # a slice keeps its base (the fed view) alive
     del views, x
@@ -235,13 +237,13 @@ def test_release_fires_once_when_the_last_view_of_a_slot_dies(pair):
 def test_release_arriving_after_close_is_tolerated_and_mapping_stays_readable(pair):
     pool, mapped, hook = pair()
     desc = publish(pool, seq=1, value=42)
-    views = mapped.view(desc)
+    views = mapped.view(Descriptor.parse(desc))
     mapped.close()
     mapped.close()
     pool.close()
     assert int(views["x"].sum()) == 42 * 1000  # still mapped while a view lives
     with pytest.raises(ProtocolError) as caught:
-        mapped.view(dict(desc, gen=desc["gen"]))
+        mapped.view(Descriptor.parse(dict(desc, gen=desc["gen"])))
     assert caught.value.reason is DropReason.SHM_POOL
     del views
     assert hook.calls == [(pool.pool_id, desc["slot"], desc["gen"])]
@@ -255,7 +257,7 @@ def test_release_hook_errors_are_logged_not_raised(caplog):
         raise RuntimeError("back channel gone")
 
     mapped = MappedPool(os.dup(pool.fd), pool.announcement, broken)
-    views = mapped.view(publish(pool, seq=1))
+    views = mapped.view(Descriptor.parse(publish(pool, seq=1)))
     with caplog.at_level(logging.ERROR):
         del views
     assert "release hook failed" in caplog.text
@@ -366,19 +368,38 @@ def test_mapped_pool_refuses_a_regular_file(tmp_path):
 def test_pool_table_refuses_duplicates_and_routes_by_pool_id(pair):
     (pool_a, mapped_a, _), (pool_b, mapped_b, _) = pair(), pair()
     table = PoolTable(max_pools=2)
-    table.add(mapped_a)
-    table.add(mapped_b)
+    table.add(mapped_a, "a")
+    table.add(mapped_b, "b")
     third = MappedPool(os.dup(pool_a.fd), pool_a.announcement, Released())
     with pytest.raises(ProtocolError):
-        table.add(third)
+        table.add(third, "c")
     assert third.closed and table.ids() == sorted([pool_a.pool_id, pool_b.pool_id])
-    assert int(table.view(publish(pool_b, seq=1, value=3))["x"][0]) == 3
+    assert int(table.view(Descriptor.parse(publish(pool_b, seq=1, value=3)), "b")["x"][0]) == 3
     table.remove(pool_b.pool_id)
     assert mapped_b.closed
     with pytest.raises(ProtocolError) as caught:
-        table.view(publish(pool_b, seq=2))
+        table.view(Descriptor.parse(publish(pool_b, seq=2)), "b")
     assert caught.value.reason is DropReason.SHM_POOL
     table.close()
+    table.close()
+
+
+def test_pool_table_is_the_one_owner_table(pair):
+    (pool_a, mapped_a, _), (pool_b, mapped_b, _) = pair(), pair()
+    table = PoolTable()
+    assert table.add(mapped_a, OWNER) is None
+    assert table.owner(pool_a.pool_id) == OWNER and table.pool_of(OWNER) == pool_a.pool_id
+    with pytest.raises(ProtocolError) as caught:
+        table.view(Descriptor.parse(publish(pool_a, seq=1)), b"someone-else")
+    assert caught.value.reason is DropReason.SHM_POOL and "another connection" in str(caught.value)
+    with pytest.raises(ProtocolError):
+        table.admit(pool_a.pool_id)  # a duplicate id is refused before anything is mapped
+    assert table.add(mapped_b, OWNER) == pool_a.pool_id  # a newer pool retires the older
+    assert mapped_a.closed and table.ids() == [pool_b.pool_id]
+    assert table.pool_of(OWNER) == pool_b.pool_id and table.owner(pool_a.pool_id) is None
+    assert table.remove(pool_b.pool_id, b"someone-else") is False and not mapped_b.closed
+    assert table.remove(pool_b.pool_id, OWNER) is True and mapped_b.closed
+    assert table.pool_of(OWNER) is None and table.ids() == []
     table.close()
 
 
@@ -399,7 +420,9 @@ def test_closing_either_side_never_unmaps_memory_a_view_still_uses(pair, caplog)
     writable = pool.arrays(slot)["x"]
     pool.arrays(slot)["y"][:] = 9
     desc = pool.commit(slot, seq=1)
-    reshaped = mapped.view(desc)["y"].reshape(-1)[::2].T  # only a derived view survives
+    reshaped = (
+        mapped.view(Descriptor.parse(desc))["y"].reshape(-1)[::2].T
+    )  # only a derived view survives
     with caplog.at_level(logging.WARNING):
         pool.close()
     assert "still referenced" in caplog.text

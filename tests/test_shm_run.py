@@ -14,7 +14,7 @@ import sys
 
 import psutil
 import pytest
-from stagefeed.common.shm.slots import pool_slots
+from stagefeed.common.shm.sizing import pool_slots
 
 from stagefeed.keygen import write_keys
 from tests import procs

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 from stagefeed.common.shm.layout import SlotLayout
-from stagefeed.common.shm.mapped import MappedPool
+from stagefeed.common.shm.mapped import Descriptor, MappedPool
 from stagefeed.common.shm.slots import SlotPool
 
 from tests.conftest import REPO, cli_env
@@ -74,7 +74,7 @@ def _child() -> None:
         writable[-1].fill(value)
         descs.append(pool.commit(slot, seq))
         start = 1 if seq == 2 else 0  # the control is fed 4 bytes off alignment
-        view = mapped.view(descs[-1])["x"][start : start + N].reshape(SHAPE)
+        view = mapped.view(Descriptor.parse(descs[-1]))["x"][start : start + N].reshape(SHAPE)
         aligned.append(view.ctypes.data % 64)
         if seq == 0:  # where the trainer's mapping starts
             lo = view.ctypes.data - pool.layout.offsets[0] - slot * pool.layout.stride
@@ -147,7 +147,7 @@ def _eager_child() -> None:
     writable = pool.arrays(slot)["x"]
     writable.fill(5.0)
     desc = pool.commit(slot, 0)
-    views = mapped.view(desc)
+    views = mapped.view(Descriptor.parse(desc))
     assert feed.enqueue(views, 0, 0)
     del views
     gc.collect()

@@ -111,6 +111,24 @@ def test_first_batch_mismatch_names_source_batch_array_expected_and_actual():
     )
 
 
+def test_a_short_last_batch_is_refused_by_name_or_dropped_when_asked():
+    """Issue 20 item 1: a short last batch gets its own message naming the choice."""
+    feed = open_feed("tests.user_source:short_last", THREE, worker(), pool_size=1)
+    assert len(drain(feed, limit=2)) == 2
+    with pytest.raises(SchemaMismatch) as info:
+        feed.next()
+    assert str(info.value) == (
+        "source 'tests.user_source:short_last' batch 2 is short: 3 rows, the batch size is 8 "
+        "(the end of data that does not divide by it?); pass --short-batch drop to drop "
+        "short batches (like tf.data's drop_remainder)"
+    )
+    feed = open_feed(
+        "tests.user_source:short_last", THREE, worker(), pool_size=1, short_batch="drop"
+    )
+    assert len(drain(feed, limit=5)) == 2 and feed.next() is None  # the short one dropped
+    assert (feed.short_dropped, feed.short_rows_dropped) == (1, 3)
+
+
 def test_values_outside_bounds_are_refused_on_any_batch():
     schema = Schema((ArraySpec("ids", "int64", (2,), bounds=(0, 5)),), batch_size=2)
     feed = open_feed("tests.user_source:sharded", schema, worker(), pool_size=1)

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
+from stagefeed.common.options import ObserveOptions
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer.observe.figures import (
     RunFacts,
@@ -20,7 +21,7 @@ from stagefeed.consumer.observe.figures import (
     figures_between,
     take_snapshot,
 )
-from stagefeed.consumer.observe.monitor import Monitor, ObserveOptions
+from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.tensorboard import TensorBoardWriter
 from stagefeed.consumer.trainer_base import StepRecord
 
@@ -83,7 +84,7 @@ def test_a_real_run_writes_scalars_tensorboard_can_read(tmp_path) -> None:
         assert 0 <= stall <= 100
     for queued in scalars["queue/batches"].values():
         assert 0 <= queued <= summary["queue_capacity"]
-    assert all(v > 0 for v in scalars["throughput/images_per_s"].values())
+    assert all(v > 0 for v in scalars["throughput/examples_per_s"].values())
     assert all(v > 0 for v in scalars["input/consume_batches_per_s"].values())
     assert set(scalars["producers/seen"].values()) == {1.0}
     (producer,) = summary["producers"]

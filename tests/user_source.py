@@ -25,6 +25,15 @@ def sharded(schema, worker):
         yield {name: np.full(shape, item, dtype=dtype) for name, dtype, shape in schema.wire()}
 
 
+def short_last(schema, worker):
+    """Two full batches, then the 3 rows left over (the end of data not divisible by it)."""
+    for rows in (schema.batch_size, schema.batch_size, 3):
+        yield {
+            name: np.full((rows, *shape[1:]), 7, dtype=dtype)
+            for name, dtype, shape in schema.wire()
+        }
+
+
 def wrong_shape(schema, worker):
     """A first batch whose first array is float32[1, 2, 3], whatever the schema says."""
     batch = {name: np.zeros(shape, dtype=dtype) for name, dtype, shape in schema.wire()}
@@ -88,4 +97,28 @@ def fails(schema, worker):
     raise KeyError("no such shard")
 
 
+def wrong_dtype_at_3(schema, worker):
+    """Three good batches (values = batch number), then one whose first array is float64."""
+    for n in range(3):
+        yield {name: np.full(shape, n, dtype=dtype) for name, dtype, shape in schema.wire()}
+    batch = {name: np.zeros(shape, dtype=dtype) for name, dtype, shape in schema.wire()}
+    name, _, shape = schema.wire()[0]
+    batch[name] = np.zeros(shape, np.float64)
+    yield batch
+
+
+def labels_out_of_bounds_at_3(schema, worker):
+    """Three good batches of the image schema, then labels past ``num_classes``."""
+    for n in range(4):
+        batch = {name: np.zeros(shape, dtype=dtype) for name, dtype, shape in schema.wire()}
+        if n == 3:
+            batch["labels"][:] = 10**6
+        yield batch
+
+
 not_callable = 42
+
+
+def fails_to_start(schema, worker):
+    """A source whose factory raises: it never makes a batch."""
+    raise OSError("no data here")

@@ -28,8 +28,8 @@ import os
 import stat
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import numpy as np
 from stagefeed.common.errors import DropReason, ProtocolError
@@ -55,20 +55,30 @@ DESCRIPTOR_KEYS = frozenset(["pool", "slot", "gen", "seq"])
 REQUIRED_SEALS = F_SEAL_SHRINK | F_SEAL_GROW
 
 
-def parse_descriptor(desc: Any) -> tuple[str, int, int, int]:
-    """``(pool, slot, gen, seq)`` of a well-formed descriptor, else ProtocolError."""
-    if not isinstance(desc, dict) or set(desc) != DESCRIPTOR_KEYS:
-        keys = sorted(excerpt(k, 20) for k in desc)[:5] if isinstance(desc, dict) else None
-        raise ProtocolError(
-            DropReason.SHM_DESCRIPTOR, f"not a slot descriptor: {excerpt(desc)}, keys {keys}"
-        )
-    pool, slot, gen, seq = desc["pool"], desc["slot"], desc["gen"], desc["seq"]
-    if not isinstance(pool, str) or not POOL_ID.fullmatch(pool):
-        raise ProtocolError(DropReason.SHM_DESCRIPTOR, f"pool id {excerpt(pool)}")
-    for name, value in (("slot", slot), ("gen", gen), ("seq", seq)):
-        if type(value) is not int or not 0 <= value <= MAX_U64:
-            raise ProtocolError(DropReason.SHM_DESCRIPTOR, f"{name} {excerpt(value)}")
-    return pool, slot, gen, seq
+class Descriptor(NamedTuple):
+    """One committed slot generation, as a ``shm_batch`` names it; made only by ``parse``."""
+
+    pool: str
+    slot: int
+    gen: int
+    seq: int
+
+    @classmethod
+    def parse(cls, desc: Any) -> Descriptor:
+        """The descriptor of a well-formed ``desc`` mapping, else ProtocolError. The only
+        place a received descriptor is checked for shape and types."""
+        if not isinstance(desc, dict) or set(desc) != DESCRIPTOR_KEYS:
+            keys = sorted(excerpt(k, 20) for k in desc)[:5] if isinstance(desc, dict) else None
+            raise ProtocolError(
+                DropReason.SHM_DESCRIPTOR, f"not a slot descriptor: {excerpt(desc)}, keys {keys}"
+            )
+        pool, slot, gen, seq = desc["pool"], desc["slot"], desc["gen"], desc["seq"]
+        if not isinstance(pool, str) or not POOL_ID.fullmatch(pool):
+            raise ProtocolError(DropReason.SHM_DESCRIPTOR, f"pool id {excerpt(pool)}")
+        for name, value in (("slot", slot), ("gen", gen), ("seq", seq)):
+            if type(value) is not int or not 0 <= value <= MAX_U64:
+                raise ProtocolError(DropReason.SHM_DESCRIPTOR, f"{name} {excerpt(value)}")
+        return cls(pool, slot, gen, seq)
 
 
 def check_pool_fd(fd: int, size: int) -> None:
@@ -143,15 +153,8 @@ class MappedPool:
         self._lock = threading.RLock()
         self._closed = False
 
-    def check(self, desc: Any) -> tuple[int, int, int]:
-        """``(slot, gen, seq)`` if ``desc`` names a committed, current, never-accepted slot
-        generation of this pool; otherwise ProtocolError with the reason. Accepts nothing."""
-        pool, slot, gen, seq = parse_descriptor(desc)
-        with self._lock:
-            self._validate(pool, slot, gen, seq)
-        return slot, gen, seq
-
-    def _validate(self, pool: str, slot: int, gen: int, seq: int) -> None:
+    def _validate(self, desc: Descriptor) -> None:
+        pool, slot, gen, seq = desc
         if pool != self.pool_id:
             raise ProtocolError(DropReason.SHM_POOL, f"descriptor for pool {pool!r}")
         if slot >= self.slots:
@@ -172,14 +175,15 @@ class MappedPool:
                 DropReason.SHM_SEQUENCE, f"slot {slot} seq {seq}, header {int(header[SEQ])}"
             )
 
-    def view(self, desc: Any) -> dict[str, np.ndarray]:
-        """Validate ``desc``; read-only, 64-byte aligned views of its slot, released together.
+    def view(self, desc: Descriptor) -> dict[str, np.ndarray]:
+        """Check ``desc`` against the slot header (committed, current, never accepted);
+        read-only, 64-byte aligned views of its slot, released together.
 
         Feed these objects (or views of them) to TF; a copy (``np.array``) is not tracked.
         """
-        pool, slot, gen, seq = parse_descriptor(desc)
+        slot, gen = desc.slot, desc.gen
         with self._lock:
-            self._validate(pool, slot, gen, seq)
+            self._validate(desc)
             self._accepted[slot] = gen
             self._outstanding[slot] = gen
             stride = self.layout.stride
@@ -229,37 +233,78 @@ class MappedPool:
 
 
 class PoolTable:
-    """The trainer's mapped pools by id: routes descriptors, refuses unknown pools."""
+    """The trainer's mapped pools and who owns each: the one table of pool ownership.
+
+    Invariants: a pool id is in the table at most once; an owner (a connection) owns at
+    most one pool (adding a newer one retires the older); at most ``max_pools`` pools; a
+    descriptor is routed only to a pool its own connection owns. Thread-safe.
+    """
 
     def __init__(self, max_pools: int = 64) -> None:
-        self._pools: dict[str, MappedPool] = {}
+        self._pools: dict[str, tuple[MappedPool, Hashable]] = {}
+        self._pool_of: dict[Hashable, str] = {}
         self._max = max_pools
         self._lock = threading.Lock()
 
-    def add(self, pool: MappedPool) -> None:
-        """Register an accepted pool; a duplicate id or one too many is refused (closed)."""
+    def admit(self, pool_id: str) -> None:
+        """ProtocolError (``shm_pool``) unless a pool of this id could be added now."""
         with self._lock:
-            if pool.pool_id in self._pools or len(self._pools) >= self._max:
+            self._admit(pool_id)
+
+    def _admit(self, pool_id: str) -> None:
+        if pool_id in self._pools or len(self._pools) >= self._max:
+            raise ProtocolError(
+                DropReason.SHM_POOL, f"pool {pool_id!r}: duplicate, or {self._max} mapped"
+            )
+
+    def add(self, pool: MappedPool, owner: Hashable) -> str | None:
+        """Register ``owner``'s accepted pool, retiring (closing) the pool it owned before;
+        returns that one's id. A duplicate id or one too many is refused (and closed)."""
+        with self._lock:
+            try:
+                self._admit(pool.pool_id)
+            except ProtocolError:
                 pool.close()
-                raise ProtocolError(
-                    DropReason.SHM_POOL, f"pool {pool.pool_id!r}: duplicate or over {self._max}"
-                )
-            self._pools[pool.pool_id] = pool
+                raise
+            old = self._pool_of.pop(owner, None)
+            old_pool = self._pools.pop(old)[0] if old is not None else None
+            self._pools[pool.pool_id] = (pool, owner)
+            self._pool_of[owner] = pool.pool_id
+        if old_pool is not None:
+            old_pool.close()
+        return old
 
-    def view(self, desc: Any) -> dict[str, np.ndarray]:
-        pool_id = parse_descriptor(desc)[0]
+    def owner(self, pool_id: str) -> Hashable | None:
         with self._lock:
-            pool = self._pools.get(pool_id)
-        if pool is None:
-            raise ProtocolError(DropReason.SHM_POOL, f"unknown pool {pool_id!r}")
-        return pool.view(desc)
+            entry = self._pools.get(pool_id)
+        return None if entry is None else entry[1]
 
-    def remove(self, pool_id: str) -> None:
-        """Close and forget a pool (its producer left); unknown ids are ignored."""
+    def pool_of(self, owner: Hashable) -> str | None:
         with self._lock:
-            pool = self._pools.pop(pool_id, None)
-        if pool is not None:
-            pool.close()
+            return self._pool_of.get(owner)
+
+    def view(self, desc: Descriptor, owner: Hashable) -> dict[str, np.ndarray]:
+        """The views of ``desc``, received from ``owner``: ProtocolError if the pool is
+        unknown, another owner's, or the slot is not current (``MappedPool.view``)."""
+        with self._lock:
+            entry = self._pools.get(desc.pool)
+        if entry is None:
+            raise ProtocolError(DropReason.SHM_POOL, f"unknown pool {desc.pool!r}")
+        if entry[1] != owner:
+            raise ProtocolError(DropReason.SHM_POOL, f"pool {desc.pool!r} is another connection's")
+        return entry[0].view(desc)
+
+    def remove(self, pool_id: str, owner: Hashable | None = None) -> bool:
+        """Close and forget a pool (its producer left), if ``owner`` (when given) still owns
+        it. Whether it was removed; unknown ids are ignored."""
+        with self._lock:
+            entry = self._pools.get(pool_id)
+            if entry is None or (owner is not None and entry[1] != owner):
+                return False
+            del self._pools[pool_id]
+            del self._pool_of[entry[1]]
+        entry[0].close()
+        return True
 
     def ids(self) -> list[str]:
         with self._lock:
@@ -268,6 +313,7 @@ class PoolTable:
     def close(self) -> None:
         """Idempotent."""
         with self._lock:
-            pools, self._pools = list(self._pools.values()), {}
+            pools = [pool for pool, _owner in self._pools.values()]
+            self._pools, self._pool_of = {}, {}
         for pool in pools:
             pool.close()

@@ -24,7 +24,6 @@ import collections
 import errno
 import fcntl
 import logging
-import math
 import mmap
 import os
 import secrets
@@ -42,7 +41,6 @@ from stagefeed.common.shm.layout import (
     F_SEAL_SHRINK,
     FREE,
     GEN,
-    MAX_SLOTS,
     MAX_U64,
     MIB,
     SEQ,
@@ -55,40 +53,6 @@ from stagefeed.common.shm.layout import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def slots_needed(queue_capacity: int, stage_depth: int, in_flight: int, producers: int) -> int:
-    """Slots across all pools: every queued, staged and in-flight batch holds one, and each
-    producer needs one more to fill while the others wait (shm.md "Sizing")."""
-    for name, value, low in [
-        ("queue_capacity", queue_capacity, 0),
-        ("stage_depth", stage_depth, 0),
-        ("in_flight", in_flight, 0),
-        ("producers", producers, 1),
-    ]:
-        if type(value) is not int or value < low:
-            raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
-    return queue_capacity + stage_depth + in_flight + producers
-
-
-def slots_per_pool(total: int, producers: int) -> int:
-    """Slots for each producer's own pool when ``total`` (from ``slots_needed``) is shared."""
-    if type(total) is not int or type(producers) is not int or not 1 <= producers <= total:
-        raise ConfigError(f"need 1 <= producers ({producers!r}) <= total slots ({total!r})")
-    return math.ceil((total - producers) / producers) + 1
-
-
-def pool_slots(queue_capacity: int, stage_depth: int, credit: int, producers: int) -> int:
-    """Slots of each producer's pool for a trainer of this queue, staging depth and credit,
-    sized for ``producers`` same-host producers (docs/shm.md "Sizing").
-
-    Across the pools: every queued and staged batch, the one a step trains on, each
-    producer's credit in flight (committed, not yet enqueued) and one slot per producer to
-    fill. Never fewer than ``stage_depth + 2``, so one producer alone always makes progress
-    (the train loop waits for one queued batch beyond the staged ones before a step).
-    """
-    total = slots_needed(queue_capacity, stage_depth + 1, credit * producers, producers)
-    return min(MAX_SLOTS, max(stage_depth + 2, slots_per_pool(total, producers)))
 
 
 def reserve(fd: int, nbytes: int, what: str = "shared-memory pool") -> None:

@@ -134,6 +134,7 @@ class Trainer(TrainerBase):
                 break
             if not more and self.consumed == self.steps_done:
                 self.data_ended = run_end.verdict.data_ended
+                self.drained_because = run_end.verdict.reason
                 log.info("%s and every batch was trained", run_end.verdict.reason)
                 break
             ready = time.monotonic()

@@ -37,6 +37,7 @@ from typing import Any
 
 import zmq
 from stagefeed.common import protocol
+from stagefeed.common.curve import key_fingerprint
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.ipc_file import IpcFile
 from stagefeed.common.ledger import Ledger
@@ -282,8 +283,8 @@ class Intake:
             self._on_batch(router, conn, header, lambda: protocol.decode_batch(header, frames))
         elif kind == "shm_batch":
             self._on_batch(router, conn, header, lambda: self._shm_batch(conn, header))
-        elif kind == "end":
-            self._ledger.ended(conn.index, header["seq"])
+        elif kind == "end":  # the producer's bye, and why (protocol.end_reason)
+            self._ledger.ended(conn.index, header["seq"], *protocol.end_reason(header))
             self._conns.end(conn)
             if self.shm is not None:
                 self.shm.ended(conn.routing_id)
@@ -308,7 +309,7 @@ class Intake:
         conn = self._conns.get(routing_id)
         if conn is None:
             index = None if self._conns.full() else self._ledger.open(
-                name if user_id is None else f"{name} key {user_id[:8]}", session
+                name if user_id is None else f"{name} {key_fingerprint(user_id)}", session
             )
             if index is None:
                 detail = f"the trainer serves {MAX_LIVE_CONNECTIONS} connections at most"

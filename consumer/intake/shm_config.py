@@ -1,4 +1,4 @@
-"""Where a trainer offers shared-memory pools, and how big each producer's pool is.
+"""Where a trainer offers shared-memory pools (sizing is ``common.shm.sizing``).
 
 No TensorFlow and no ZeroMQ here: the pool gate (``consumer.intake.shm_gate``) and anything that
 reports on it import this.
@@ -6,12 +6,9 @@ reports on it import this.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import tempfile
-
-from stagefeed.common.options import MIB
 
 
 def default_socket_path(bind: str) -> str:
@@ -27,23 +24,3 @@ def default_socket_path(bind: str) -> str:
         base = tempfile.gettempdir()
     slug = re.sub(r"[^A-Za-z0-9]+", "-", bind.split("://", 1)[-1]).strip("-")[:40] or "any"
     return os.path.join(base, f"stagefeed-{os.geteuid()}", f"pools-{slug}.sock")
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolSizing:
-    """What each producer's pool holds (``shm_pool.pool_slots``), for logs and the summary."""
-
-    slots: int
-    stride: int
-    producers: int
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.slots * self.stride
-
-    def describe(self) -> str:
-        return (
-            f"{self.slots} slots of {self.stride / MIB:.2f} MiB = {self.pool_bytes / MIB:.1f} MiB "
-            f"per producer, {self.producers * self.pool_bytes / MIB:.1f} MiB for the "
-            f"{self.producers} producer(s) it is sized for"
-        )

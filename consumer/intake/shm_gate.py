@@ -50,11 +50,11 @@ from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import Schema
 from stagefeed.common.shm.fd_passing import FdChannel, FdListener, accept_pool
-from stagefeed.common.shm.layout import PoolAnnounce, SlotLayout
-from stagefeed.common.shm.mapped import MappedPool, PoolTable, parse_descriptor
-from stagefeed.common.shm.slots import pool_slots
+from stagefeed.common.shm.layout import MIB, PoolAnnounce, SlotLayout
+from stagefeed.common.shm.mapped import Descriptor, MappedPool, PoolTable
+from stagefeed.common.shm.sizing import PoolSizing
 from stagefeed.common.throttle import LogThrottle
-from stagefeed.consumer.intake.shm_config import MIB, PoolSizing, default_socket_path
+from stagefeed.consumer.intake.shm_config import default_socket_path
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,10 @@ class ShmGate:
         self.layout = layout
         self.sizing = sizing
         self._ledger = ledger
-        self._table = PoolTable(MAX_POOLS)
+        self._table = PoolTable(MAX_POOLS)  # pools and their owners (routing ids)
         self._lock = threading.Lock()
         self._tokens: dict[str, tuple[bytes, int]] = {}  # token -> (routing id, ledger index)
         self._token_of: dict[bytes, str] = {}
-        self._owner: dict[str, bytes] = {}  # live pool id -> routing id
-        self._pool_of: dict[bytes, str] = {}
         # Pools at EOF whose connection may still deliver descriptors (routing id -> pool), and
         # connections with a pool that can deliver none any more (ended or forgotten).
         self._closing: dict[bytes, str] = {}
@@ -121,10 +119,6 @@ class ShmGate:
         socket cannot be made (naming the path and the fix); ``None`` (logged) for ``auto``."""
         path = options.shm_socket or default_socket_path(options.bind)
         layout = SlotLayout.of(schema.wire())  # the schema's names, dtypes and shapes fit
-        slots = pool_slots(
-            options.queue_capacity, options.stage_depth, options.credit_per_producer,
-            options.shm_producers,
-        )  # fmt: skip
         try:
             listener = FdListener(path)
         except (ConfigError, OSError) as exc:
@@ -136,7 +130,10 @@ class ShmGate:
                 raise ConfigError(problem) from None
             log.warning("%s; batches come over ZeroMQ only", problem)
             return None
-        sizing = PoolSizing(slots, layout.stride, options.shm_producers)
+        sizing = PoolSizing.for_trainer(
+            options.queue_capacity, options.stage_depth, options.credit_per_producer,
+            options.shm_producers, layout.stride,
+        )  # fmt: skip
         return cls(listener, layout, sizing, ledger)
 
     @property
@@ -178,7 +175,7 @@ class ShmGate:
     def _no_more_descriptors(self, routing_id: bytes) -> None:
         with self._lock:
             closing = self._closing.get(routing_id)
-            if closing is None and routing_id in self._pool_of:
+            if closing is None and self._table.pool_of(routing_id) is not None:
                 self._done.add(routing_id)
         if closing is not None:
             self._retire(routing_id, closing)
@@ -186,20 +183,13 @@ class ShmGate:
     def batch(self, routing_id: bytes, header: dict[str, Any]) -> protocol.Batch:
         """The read-only views of a ``shm_batch`` received on ``routing_id``'s connection;
         ProtocolError (``shm_*``) if the descriptor is not a current slot of its own pool."""
-        desc = header["desc"]
-        pool_id, _slot, _gen, seq = parse_descriptor(desc)
-        if seq != header["seq"]:
+        desc = Descriptor.parse(header["desc"])
+        if desc.seq != header["seq"]:
             raise ProtocolError(
-                DropReason.SHM_DESCRIPTOR, f"descriptor seq {seq}, message seq {header['seq']}"
+                DropReason.SHM_DESCRIPTOR, f"descriptor seq {desc.seq}, message seq {header['seq']}"
             )
-        with self._lock:
-            owner = self._owner.get(pool_id)
-        if owner is None:
-            raise ProtocolError(DropReason.SHM_POOL, f"unknown pool {pool_id!r}")
-        if owner != routing_id:
-            raise ProtocolError(DropReason.SHM_POOL, f"pool {pool_id!r} is another connection's")
-        views = self._table.view(desc)
-        return protocol.Batch(seq, views, sum(spec.nbytes for spec in self.layout.arrays))
+        views = self._table.view(desc, routing_id)
+        return protocol.Batch(desc.seq, views, sum(spec.nbytes for spec in self.layout.arrays))
 
     def releases(self) -> list[tuple[bytes, str, int, int]]:
         """``(routing id, pool, slot, gen)`` of every slot TF released since the last call,
@@ -215,9 +205,8 @@ class ShmGate:
                 pool_id, slot, gen = self._released.get_nowait()
             except queue.Empty:
                 break
-            with self._lock:
-                owner = self._owner.get(pool_id)
-            if owner is not None:
+            owner = self._table.owner(pool_id)
+            if isinstance(owner, bytes):
                 out.append((owner, pool_id, slot, gen))
         return out
 
@@ -338,10 +327,7 @@ class ShmGate:
             raise ProtocolError(
                 DropReason.SHM_POOL_SIZE, f"{announce.slots} slots, granted {self.sizing.slots}"
             )
-        if announce.pool_id in self._owner or len(self._owner) >= MAX_POOLS:
-            raise ProtocolError(
-                DropReason.SHM_POOL, f"pool {announce.pool_id!r}: duplicate, or {MAX_POOLS} mapped"
-            )
+        self._table.admit(announce.pool_id)
 
     def _on_offer(self, peer: _Peer) -> None:
         def register(mapped: MappedPool) -> None:  # before the producer hears "ok"
@@ -358,16 +344,9 @@ class ShmGate:
     def _register(self, peer: _Peer, mapped: MappedPool) -> None:
         assert peer.routing_id is not None
         with self._lock:
-            old = self._pool_of.pop(peer.routing_id, None)
-            self._owner.pop(old, None)
             self._closing.pop(peer.routing_id, None)  # its descriptors now name the new pool
             self._done.discard(peer.routing_id)
-        if old is not None:
-            self._table.remove(old)
-        self._table.add(mapped)
-        with self._lock:
-            self._owner[mapped.pool_id] = peer.routing_id
-            self._pool_of[peer.routing_id] = mapped.pool_id
+        self._table.add(mapped, peer.routing_id)  # retires the connection's older pool
         peer.pool_id, peer.state = mapped.pool_id, "live"
         self.pools_accepted += 1
 
@@ -379,7 +358,7 @@ class ShmGate:
             return
         assert peer.routing_id is not None
         with self._lock:
-            current = self._owner.get(peer.pool_id) == peer.routing_id
+            current = self._table.owner(peer.pool_id) == peer.routing_id
             keep = current and peer.routing_id not in self._done
             if keep:
                 self._closing[peer.routing_id] = peer.pool_id
@@ -392,13 +371,12 @@ class ShmGate:
     def _retire(self, routing_id: bytes, pool_id: str) -> None:
         """The pool leaves the table (unmapped once TF is done with its slots). Idempotent."""
         with self._lock:
-            if self._owner.get(pool_id) == routing_id:
-                del self._owner[pool_id]
-                del self._pool_of[routing_id]
+            removed = self._table.remove(pool_id, routing_id)
+            if removed:
                 self._closing.pop(routing_id, None)
                 self._done.discard(routing_id)
-        self._table.remove(pool_id)
-        log.info("pool %s: its producer closed it; unmapped once TF is done", pool_id)
+        if removed:
+            log.info("pool %s: its producer closed it; unmapped once TF is done", pool_id)
 
     def _expire(self, poller: select.poll) -> None:
         now = time.monotonic()

@@ -88,7 +88,7 @@ class KerasTrainer(TrainerBase):
         self.model = model
         if options.save_dir is not None:
             self.checkpoints = Checkpoints(options, keras_format(model))
-        self.feed = ServedFeed(options, self._configure_server, self.ledger)
+        self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
         assert self.feed.queue.device == self.device
@@ -136,6 +136,7 @@ class KerasTrainer(TrainerBase):
         verdict = watch.run_end.verdict
         if verdict.ending is Ending.DRAIN and figures.queued == 0 and self._failure is None:
             self.data_ended = verdict.data_ended
+            self.drained_because = verdict.reason
             log.info("%s and every batch was trained", verdict.reason)
         if self._failure is not None:
             raise self._failure

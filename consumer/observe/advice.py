@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from stagefeed.common.options import DEFAULT_WIRE_MB_S
 from stagefeed.consumer.observe.figures import Figures
 
 MIN_STEPS = 2
@@ -28,9 +29,6 @@ COMPUTE_BOUND_FULL_PCT = 50.0
 GROWING = 1.1
 HEADROOM = 1.25
 WIRE_NEAR = 0.8
-# Loopback ZeroMQ carried about 1.5 GB/s in one stream on the project's machines
-# (docs/observability.md); a real network link is set with --wire-mb-s.
-DEFAULT_WIRE_MB_S = 1400.0
 
 INPUT_BOUND = "input-bound"
 WIRE_BOUND = "wire-bound"

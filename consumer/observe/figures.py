@@ -133,7 +133,7 @@ class Figures:
     stall_pct: float
     ms_per_step: float
     compute_ms: float
-    images_per_s: float
+    examples_per_s: float
     step_per_s: float
     consume_per_s: float
     deliver_per_s: float
@@ -189,7 +189,7 @@ def figures_between(a: Snapshot, b: Snapshot, facts: RunFacts) -> Figures:
         stall_pct=100.0 * wait_s / busy if steps and busy > 0 else math.nan,
         ms_per_step=1000.0 * busy / steps if steps else math.nan,
         compute_ms=1000.0 * step_s / steps if steps else math.nan,
-        images_per_s=steps * facts.batch_size / seconds,
+        examples_per_s=steps * facts.batch_size / seconds,
         step_per_s=steps / seconds,
         consume_per_s=steps / step_s if steps and step_s > 0 else math.nan,
         deliver_per_s=(now.totals.received - was.totals.received) / seconds,

@@ -24,11 +24,10 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
-from stagefeed.common.endpoints import host_problem
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import check_number
+from stagefeed.common.options import ObserveOptions
 from stagefeed.common.stats import percentile
-from stagefeed.consumer.observe.advice import DEFAULT_WIRE_MB_S, Advice, advise
+from stagefeed.consumer.observe.advice import Advice, advise
 from stagefeed.consumer.observe.figures import (
     Figures,
     RunFacts,
@@ -70,33 +69,6 @@ class FinalFigures:
     advice: Advice
 
 
-@dataclasses.dataclass(frozen=True)
-class ObserveOptions:
-    """What to show and export. A bad value raises ``ConfigError`` naming it."""
-
-    progress_s: float = 5.0  # seconds between progress log lines (terminal: 0.5 s)
-    logdir: str | None = None  # TensorBoard event files go here
-    metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
-    # Loopback unless told: producer ids and the trainer's figures are not for every network.
-    metrics_bind: str = "127.0.0.1"
-    metrics_producer_labels: bool = False  # per-producer series, labelled with producer ids
-    advice_s: float = 300.0  # seconds between advice lines during a run
-    wire_mb_s: float = DEFAULT_WIRE_MB_S  # what the producers' link carries (advice only)
-    tensorboard_s: float = 2.0  # seconds between TensorBoard flushes
-
-    def __post_init__(self) -> None:
-        for name in ("progress_s", "advice_s", "wire_mb_s", "tensorboard_s"):
-            check_number(name, getattr(self, name))
-        port = self.metrics_port
-        if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
-            raise ConfigError(f"metrics_port must be in [0, 65535], got {port!r}")
-        if self.logdir is not None and not self.logdir.strip():
-            raise ConfigError(f"logdir must name a directory, got {self.logdir!r}")
-        why = host_problem(self.metrics_bind, wildcard_ok=False)
-        if why:
-            raise ConfigError(f"metrics_bind {self.metrics_bind!r}: {why}")
-
-
 class Monitor:
     """A ``StepObserver``; see the module docstring for what runs where."""
 
@@ -107,10 +79,16 @@ class Monitor:
         self.capacity_per_s = math.nan  # best unthrottled batches/s of one producer
         self._facts: RunFacts | None = None
         self._reader: RunReader | None = None
-        self._counters = StepCounters(1)
-        self._origin = self._shown = self._advised = self._sampled = empty_snapshot()
+        # Set by ``start``, where the run's window begins (nothing reads them before).
+        self._counters: StepCounters
+        self._origin: Snapshot
+        self._shown: Snapshot
+        self._advised: Snapshot
+        self._sampled: Snapshot
         # When each was last done, on the step records' clock (time.monotonic()).
-        self._shown_at = self._advised_at = self._sampled_at = self._origin.at
+        self._shown_at: float
+        self._advised_at: float
+        self._sampled_at: float
         self._final_base: Snapshot | None = None
         # (step, wait_s + step_s in ms) of the latest steps.
         self._step_ms: collections.deque[tuple[int, float]] = collections.deque(

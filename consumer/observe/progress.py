@@ -21,22 +21,36 @@ CLEAR_LINE = "\r\x1b[K"
 
 
 def format_line(f: Figures, steps_planned: int = 0) -> str:
-    """``step 40/100  98 ms/step  20 img/s  stall 31%  queue 3/434 (3.5 MiB) ...``.
+    """``step 40/100  98 ms/step  20 examples/s  stall 31%  queue 3/434 (3.5 MiB) ...``.
 
     ``steps_planned`` 0 means "until stopped" (shown as ``-``).
     """
     line = (
         f"step {f.last_step}/{steps_planned or '-'}  "
-        f"{_num(f.ms_per_step)} ms/step  {_num(f.images_per_s)} img/s  "
+        f"{_num(f.ms_per_step)} ms/step  {_num(f.examples_per_s)} examples/s  "
         f"stall {_num(f.stall_pct)}%  "
-        f"queue {f.queue_batches}/{f.queue_capacity} ({f.queue_mb:.1f} MiB)  "
-        f"{f.received_mb_per_s:.0f} MiB/s in  "
+        f"queue {f.queue_batches}/{f.queue_capacity} ({size_text(f.queue_mb)})  "
+        f"{size_text(f.received_mb_per_s)}/s in  "
         f"producers {f.producers_active}/{f.producers_seen}"
     )
     if f.dropped_total:
         reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(f.dropped.items()))
         line += f"  dropped {f.dropped_total} ({reasons})"
     return line
+
+
+def size_text(mib: float) -> str:
+    """A size given in MiB, in units that keep its digits: ``158 MiB``, ``3.5 MiB``, ``12 KiB``
+    (small batches of tokens must not all read ``0.0 MiB``)."""
+    if math.isnan(mib):
+        return "- MiB"
+    if mib >= 100:
+        return f"{mib:.0f} MiB"
+    if mib >= 1:
+        return f"{mib:.1f} MiB"
+    if mib * 1024 >= 1:
+        return f"{mib * 1024:.0f} KiB"
+    return f"{mib * 2**20:.0f} B"
 
 
 def _num(value: float) -> str:

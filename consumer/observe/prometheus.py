@@ -136,6 +136,14 @@ class StagefeedCollector:
         for reason, n in sorted(books.refused.items()):
             refused.add_metric([reason], n)
         yield refused
+        ended = CounterMetricFamily(
+            PREFIX + "producers_ended",
+            "Producer connections that said end (their bye), by reason: ok, source_error, other",
+            labels=["reason"],
+        )
+        for reason, n in sorted(books.ended.items()):
+            ended.add_metric([reason], n)
+        yield ended
 
     def _per_producer(self, snap: Snapshot) -> Iterator[Metric]:
         """Per producer id with ``producer_labels``, else one series each, summed."""

@@ -12,8 +12,10 @@ import resource
 import time
 from typing import TYPE_CHECKING, Any
 
+from stagefeed.common.errors import EXIT_SHORT_RUN
 from stagefeed.common.options import MIB
 from stagefeed.consumer.memory import heap
+from stagefeed.consumer.observe.progress import size_text
 
 if TYPE_CHECKING:  # types only: a Keras run must not import graph mode (or TensorFlow's
     # private StagingArea) to print its summary
@@ -54,7 +56,7 @@ def summarize(
         "median_ms": _round(final.median_ms if final else nan),
         "p10_ms": _round(final.p10_ms if final else nan),
         "p90_ms": _round(final.p90_ms if final else nan),
-        "images_per_s": _round(window.images_per_s if window else nan),
+        "examples_per_s": _round(window.examples_per_s if window else nan),
         "received_mb_per_s": _round(window.received_mb_per_s if window else nan),
         "stall_pct": _round(window.stall_pct if window else nan),
         "loss_first": _round(_or_nan(trainer.loss_first), 4),
@@ -72,7 +74,10 @@ def summarize(
         },
         "dropped_by_reason": trainer.ledger.drops_by_reason(),
         "refused_producers": trainer.ledger.refusals(),
+        "producers_ended": trainer.ledger.read().ended,
+        "producers_left": trainer.ledger.left(),
         "data_ended": trainer.data_ended,
+        "run_length": run_length(trainer, interrupted),
         "connections": trainer.ledger.peer_events(),
         "producers": trainer.ledger.summary(),
         "memory": _memory(trainer),
@@ -82,6 +87,39 @@ def summarize(
         summary["advice"] = final.advice.text
         summary["bottleneck"] = final.advice.kind
     return summary
+
+
+def run_length(trainer: TrainerBase, interrupted: bool) -> dict[str, Any]:
+    """Planned against done. ``complete``: every planned step trained (None for a run with no
+    planned length, ``--steps 0``); ``short_because``: why a run that was not interrupted
+    ended before its plan (its data or its producers ended), else None."""
+    options = trainer.options
+    planned, done = options.total_steps, trainer.steps_done
+    per_epoch = options.steps_per_epoch
+    complete = None if not planned else done >= planned
+    short = complete is False and not interrupted
+    return {
+        "planned_steps": planned or None,
+        "steps_done": done,
+        "planned_epochs": options.epochs if per_epoch else None,
+        "epochs_done": done // per_epoch if per_epoch else None,
+        "complete": complete,
+        "short_because": (trainer.drained_because or "the run ended early") if short else None,
+    }
+
+
+def _run_length_line(s: dict[str, Any]) -> str | None:
+    r = s.get("run_length") or {}
+    if not r.get("short_because"):
+        return None
+    epochs = (
+        f", {r['epochs_done']} of {r['planned_epochs']} epochs"
+        if r.get("planned_epochs") is not None else ""
+    )  # fmt: skip
+    return (
+        f"  WARNING: ended after {r['steps_done']} of {r['planned_steps']} planned steps"
+        f"{epochs}: {r['short_because']} (--require-full-run makes this exit {EXIT_SHORT_RUN})"
+    )
 
 
 def _memory(trainer: TrainerBase) -> dict[str, Any]:
@@ -146,7 +184,7 @@ def format_text(summary: dict[str, Any]) -> str:
     s, b = summary, summary["batches"]
     lines = [
         "stagefeed summary",
-        f"  device {s['device']}, batch {s['schema']} ({s['batch_mb']} MiB), "
+        f"  device {s['device']}, batch {s['schema']} ({size_text(s['batch_mb'])}), "
         f"{s['recv_threads']} enqueue threads, "
         f"queue {s['queue_capacity']} batches, staging depth {s['stage_depth']}",
         _transport_line(s),
@@ -154,7 +192,7 @@ def format_text(summary: dict[str, Any]) -> str:
         + (" - interrupted" if s["interrupted"] else "")
         + (" - every producer's data ended" if s.get("data_ended") else ""),
         f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",
-        f"  examples/s {s['images_per_s']}  received {s['received_mb_per_s']} MiB/s  "
+        f"  examples/s {s['examples_per_s']}  received {s['received_mb_per_s']} MiB/s  "
         f"stall {s['stall_pct']}%",
         f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})",
         f"  batches received {b['received']}, trained {b['trained']}, "
@@ -162,6 +200,9 @@ def format_text(summary: dict[str, Any]) -> str:
         f"{b['not_enqueued']}, dropped {b['dropped']}, "
         f"missing (sequence gaps) {b['seq_missing']}",
     ]
+    short = _run_length_line(s)
+    if short:
+        lines.append(short)
     lines.append(_memory_line(s))
     if s["dropped_by_reason"]:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped_by_reason"].items()))
@@ -169,6 +210,14 @@ def format_text(summary: dict[str, Any]) -> str:
     for name, reasons in sorted(s.get("refused_producers", {}).items()):
         why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
         lines.append(f"  refused producer {name}: {why}")
+    if s.get("producers_ended"):
+        ends = ", ".join(f"{k} {v}" for k, v in sorted(s["producers_ended"].items()))
+        lines.append(f"  producers ended: {ends}")
+    for left in s.get("producers_left", []):
+        lines.append(
+            f"  producer {left['producer']} left after {left['ended_after']} batches: "
+            f"{left['reason']}: {left['detail']}"
+        )
     if s.get("connections"):
         events = ", ".join(f"{k} {v}" for k, v in sorted(s["connections"].items()))
         lines.append(f"  connections: {events}")
@@ -181,6 +230,7 @@ def format_text(summary: dict[str, Any]) -> str:
             f"in the intake {p.get('not_enqueued', 0)}, dropped {dropped}"
             + (f" {p['dropped']}" if dropped else "")
             + (f", missing {p['seq_missing']}" if p.get("seq_missing") else "")
+            + (f", ended {p['end_reason']}" if p.get("end_reason") else "")
         )
     if s.get("advice"):
         lines.append(f"  advice: {s['advice']}")

@@ -58,7 +58,7 @@ def window_scalars(f: Figures) -> dict[str, float]:
         "input/received_mb_per_s": f.received_mb_per_s,
         "input/deliver_batches_per_s": f.deliver_per_s,
         "input/consume_batches_per_s": f.consume_per_s,
-        "throughput/images_per_s": f.images_per_s,
+        "throughput/examples_per_s": f.examples_per_s,
         "throughput/ms_per_step": f.ms_per_step,
         "queue/batches": float(f.queue_batches),
         "queue/mb": f.queue_mb,

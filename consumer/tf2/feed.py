@@ -28,7 +28,13 @@ from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.keras_fit.callback import FeedCallback, cast_layer
 from stagefeed.consumer.tf2 import pipeline
 from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
-from stagefeed.consumer.tf2.step_books import BooksFigures, BooksSink, DequeueLog, StepBooks
+from stagefeed.consumer.tf2.step_books import (
+    BooksFigures,
+    BooksSink,
+    DequeueLog,
+    StepBooks,
+    TrainedStep,
+)
 
 # Room in the dequeue log beyond the queue: buffers hold at most a few batches per replica.
 LOG_HEADROOM = 4096
@@ -40,7 +46,12 @@ class Feed:
     ``capacity``: queue depth in batches (derive it from a byte budget with
     ``schema.batch_bytes``). ``stage_depth``: batches per replica buffered on the training
     device ahead of the step. ``sink``: an object with ``trained(peers, seqs)`` (and optionally
-    ``abandoned(peers, seqs)``), e.g. the trainer's ``Ledger``.
+    ``abandoned(peers, seqs)``), e.g. the trainer's ``Ledger``: told after every booked step.
+
+    The books of each step (docs/tf2.md, "The books"): ``last_step`` is the ``TrainedStep``
+    (which ``(peer, seq)`` batches the latest step trained); ``figures()`` the running
+    ``BooksFigures`` (trained, abandoned, queued, input wait). Steps are booked by
+    ``callback()`` in ``fit``, or by ``books.step_done()`` after each step of a custom loop.
     """
 
     def __init__(
@@ -108,7 +119,13 @@ class Feed:
         return FeedCallback(self, prefix)
 
     def figures(self) -> BooksFigures:
+        """A snapshot of the books (exact when no dequeue is in progress)."""
         return self.books.figures()
+
+    @property
+    def last_step(self) -> TrainedStep | None:
+        """The batches the latest booked step trained; None before the first."""
+        return self.books.last_step
 
     def close(self) -> None:
         """Idempotent: stop taking batches; the dataset ends after the queued ones."""

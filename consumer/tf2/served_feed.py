@@ -17,18 +17,37 @@ pipeline hands the step) are reused instead of unmapped and faulted in again, wh
 13-15% of a Keras AlexNet step on 2 cores (docs/benchmarks.md). Lifecycle: construct (binds) ->
 ``dataset()`` once -> train -> ``close()`` (idempotent: no more credit, the queue closes so
 blocked enqueues return, the intake's threads are joined).
+
+The end of the data (``end_watch=True``, the default): the thread ``stagefeed-feed-end``
+consults the run's ``RunEnd`` (``consumer.run_end``, the CLI trainers' rule) every
+``WATCH_S``. Once every producer that said hello and delivered has said ``end``, every batch
+they sent is in the queue, and that held for ``end_grace_s`` (late producers may still say
+hello), it closes the queue: the dataset yields what is queued, then ends (``fit`` stops at
+the end of that epoch, a ``for`` loop over the dataset ends). A failed intake closes the queue
+too and ``check()`` raises the failure. ``KerasTrainer`` watches its run itself
+(``end_watch=False``: it adds a stop event and the producers' health to the same rule).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from stagefeed.common.ledger import Ledger
+from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer.intake.intake import Intake
 from stagefeed.consumer.memory import malloc_policy
+from stagefeed.consumer.run_end import Ending, RunEnd
 from stagefeed.consumer.tf2.feed import Feed
+
+log = logging.getLogger(__name__)
+
+END_GRACE_S = 1.0  # how long the data must stay ended before the dataset ends
+WATCH_S = 0.1
+JOIN_TIMEOUT_S = 3.0
 
 
 class ServedFeed(Feed):
@@ -40,6 +59,9 @@ class ServedFeed(Feed):
         options: TrainerOptions,
         configure_server: Callable[[Any], None] | None = None,
         ledger: Ledger | None = None,
+        *,
+        end_watch: bool = True,
+        end_grace_s: float = END_GRACE_S,
     ) -> None:
         self.ledger = Ledger() if ledger is None else ledger
         super().__init__(
@@ -59,15 +81,43 @@ class ServedFeed(Feed):
             raise
         self.endpoint = self.intake.endpoint
         self._served_closed = False
+        self._stop = threading.Event()
+        self.run_end = RunEnd(
+            self._stop, self.intake.data_ended, [self.intake.check], end_grace_s=end_grace_s
+        )
+        self._watch: threading.Thread | None = None
+        if end_watch:
+            self._watch = threading.Thread(
+                target=self._watch_end, name="stagefeed-feed-end", daemon=True
+            )
+            self._watch.start()
 
     def check(self) -> None:
         """Raise ``BrokenError`` if the intake failed (call between epochs or steps)."""
         self.intake.check()
 
+    def producer_name(self, peer: int) -> str:
+        """The name the books give connection ``peer`` (a ``TrainedStep``'s ``peers``)."""
+        return self.ledger.name(peer)
+
+    def _watch_end(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            verdict = self.run_end.poll()
+            if verdict.ending is Ending.DRAIN:
+                log.info("%s: the dataset ends once the queue is drained", verdict.reason)
+            elif verdict.ending is Ending.FAIL:
+                log.error("the feed failed (check() raises it): %s", verdict.reason)
+            if verdict.ending is not Ending.RUNNING:
+                self.queue.close()  # queued batches stay; the dataset ends after them
+                return
+
     def close(self) -> None:
         if self._served_closed:
             return
         self._served_closed = True
+        self._stop.set()
+        if self._watch is not None:
+            join_threads([self._watch], JOIN_TIMEOUT_S)
         self.intake.stop_granting()
         super().close()
         self.intake.close()

@@ -47,6 +47,17 @@ class BooksSink(Protocol):
     def trained(self, peers: list[int], seqs: list[int]) -> None: ...
 
 
+class TrainedStep(NamedTuple):
+    """The batches one booked step trained, in the order the step consumed them: each is
+    ``(peers[i], seqs[i])``, the producer's connection index in the books (``Ledger``; a
+    ``ServedFeed`` names it with ``producer_name``) and the batch's sequence number.
+    ``step``: how many steps the feed has booked, this one included."""
+
+    step: int
+    peers: tuple[int, ...]
+    seqs: tuple[int, ...]
+
+
 class Entry(NamedTuple):
     generation: int
     index: int
@@ -165,6 +176,12 @@ class StepBooks:
         self._log_filled = False  # the log was full once: entries may have been dropped
         self._began: float | None = None
         self._ended: float | None = None
+        self._last_step: TrainedStep | None = None
+
+    @property
+    def last_step(self) -> TrainedStep | None:
+        """What the latest booked step trained (None before the first)."""
+        return self._last_step
 
     def begin(self) -> None:
         """Start a run's clock (``fit``: on_train_begin). Implied by the first ``step_done``."""
@@ -194,6 +211,7 @@ class StepBooks:
                 self._next_index += 1
                 self._trained += 1
             self._steps += steps
+            self._last_step = TrainedStep(self._steps, tuple(peers), tuple(seqs))
             abandoned, self._unnotified = self._unnotified, []
         self._notify(abandoned)
         if seqs and self.sink is not None:

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from tests.hostile import wire
-from tests.hostile_input.harness import H, W, check_cases, one
+from tests.hostile_input.harness import H, W, check_cases, check_still_training, new_peer, one
 
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
 
@@ -115,3 +115,33 @@ def test_header_nested_1000_deep(target):
         one("extra-field", [wire.packed_map({"v": wire.V, "t": "ping"}, {"x": maps})],
             "header_fields"),
     ])  # fmt: skip
+
+
+# -- the producer's bye (``end`` with a reason) ------------------------------------------------
+
+
+def _end(**fields) -> list[bytes]:
+    return [msgpack.packb({"v": 2, "t": "end", "seq": 0, **fields})]
+
+
+def test_a_hostile_bye_is_dropped_and_counted(target):
+    """An ``end`` whose reason or detail is huge, not a string, or half there: dropped whole."""
+    check_cases(target, [
+        one("detail-huge", _end(reason="source_error", detail="x" * MAX_HEADER), "header_size"),
+        one("detail-long", _end(reason="source_error", detail="x" * 301), "header_fields"),
+        one("reason-int", _end(reason=7, detail="x"), "header_fields"),
+        one("reason-nested", _end(reason=[[["source_error"]]], detail="x"), "header_fields"),
+        one("detail-only", _end(detail="x"), "header_fields"),
+    ])  # fmt: skip
+
+
+def test_a_bye_of_an_unknown_reason_is_booked_other_and_sanitised(target):
+    key = ("stagefeed_producers_ended_total", (("reason", "other"),))
+    before = target.metrics().samples.get(key, 0)
+    start = target.metrics()
+    p = new_peer(target)
+    p.send(_end(reason="\x1b[2Jpwned", detail="line\nbreak\x00"))
+    after = target.wait(lambda m: m.samples.get(key, 0) > before)
+    assert after.samples.get(key, 0) == before + 1
+    assert after.dropped == start.dropped  # not a drop: an end, booked "other"
+    check_still_training(target, start)
