@@ -1,6 +1,6 @@
 """``--model module:NAME``: what the trainer trains, resolved and checked at start.
 
-Two kinds of model, told apart by the function's parameters:
+Two kinds of model:
 
 - a graph-mode ``model_fn(staged, schema) -> (loss, train_op)``: ``staged`` is a dict of the
   schema's arrays as staged on the training device (cast and scaled as the schema declares);
@@ -10,18 +10,25 @@ Two kinds of model, told apart by the function's parameters:
 - a Keras ``build(schema) -> keras.Model``, compiled: trained with ``model.fit`` on the feed's
   ``tf.data.Dataset``.
 
-Any failure (cannot import, not callable, wrong parameters, the model refuses the schema, an
-exception while building, a Keras model that does not fit the schema:
-``consumer.keras_fit.model_check``)
-is a ``ConfigError`` naming the model, raised before any producer is started. ``trainer()``
-makes the trainer of either kind; only the Keras kind imports Keras.
+The kind is told by how the callable can be called, never by counting required parameters:
+a callable marked ``@stagefeed.graph_model`` or ``@stagefeed.keras_model`` (the attribute
+``stagefeed_model_kind``) is that kind; an unmarked one is the only kind its signature can take
+(``build(schema=None)`` can only be a build, ``model_fn(staged, schema)`` only a model_fn).
+One that could be either (``model_fn(staged, schema=None)``, ``build(schema, lr=0.1)``) or
+neither is refused, naming the marks that settle it. Then what it returns is checked: a
+``keras.Model`` (``consumer.keras_fit.model_check``) or a ``(loss, train_op)`` pair.
+
+Any failure (cannot import, not callable, cannot be called as its kind, the model refuses the
+schema, an exception while building, a result of the wrong kind, a Keras model that does not
+fit the schema) is a ``ConfigError`` naming the model, raised before any producer is started.
+``trainer()`` makes the trainer of either kind; only the Keras kind imports Keras.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.excerpt import excerpt
@@ -36,33 +43,106 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "alexnet"
 GRAPH = "graph"
 KERAS = "keras"
+KIND_ATTRIBUTE = "stagefeed_model_kind"
+# How each kind is called: the arguments a signature must accept.
+CALLS = {GRAPH: ("model_fn(staged, schema)", 2), KERAS: ("build(schema)", 1)}
+MARKS = "mark it @stagefeed.graph_model or @stagefeed.keras_model"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def graph_model(fn: F) -> F:
+    """Mark ``fn`` a graph-mode ``model_fn(staged, schema) -> (loss, train_op)`` for ``--model``."""
+    setattr(fn, KIND_ATTRIBUTE, GRAPH)
+    return fn
+
+
+def keras_model(fn: F) -> F:
+    """Mark ``fn`` a Keras ``build(schema) -> keras.Model`` (compiled) for ``--model``."""
+    setattr(fn, KIND_ATTRIBUTE, KERAS)
+    return fn
 
 
 def resolve(ref: str) -> tuple[str, Callable[..., Any]]:
-    """(kind, callable) for ``--model``: ``alexnet`` or ``module:NAME``."""
+    """(kind, callable) for ``--model``: ``alexnet`` or ``module:NAME`` (see the module doc)."""
     if ref == DEFAULT_MODEL:
         from stagefeed.consumer.graph.alexnet import model_fn
 
-        return GRAPH, model_fn
+        return GRAPH, _checked_model_fn(model_fn)
     value = import_ref(ref, "--model")
     if not callable(value):
         raise ConfigError(f"--model {ref!r} is a {type(value).__name__}, not a function")
+    kind = _kind(ref, value)
+    return kind, (_checked_model_fn(value) if kind == GRAPH else value)
+
+
+def _kind(ref: str, fn: Callable[..., Any]) -> str:
+    marked = getattr(fn, KIND_ATTRIBUTE, None)
+    if marked is not None and marked not in CALLS:
+        raise ConfigError(
+            f"--model {ref!r}: {KIND_ATTRIBUTE} is {excerpt(marked, 40)}, not "
+            f"{GRAPH!r} or {KERAS!r}"
+        )
     try:
-        params = [
-            p for p in inspect.signature(value).parameters.values()
-            if p.default is inspect.Parameter.empty
-            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]  # fmt: skip
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        raise ConfigError(f"--model {ref!r}: its parameters cannot be read") from None
-    if len(params) == 2:
-        return GRAPH, value
-    if len(params) == 1:
-        return KERAS, value
+        if marked is not None:
+            return str(marked)
+        raise ConfigError(f"--model {ref!r}: its parameters cannot be read; {MARKS}") from None
+    takes = [kind for kind, (_, count) in CALLS.items() if _binds(signature, count)]
+    if marked is not None:
+        if marked not in takes:
+            call = CALLS[marked][0]
+            raise ConfigError(
+                f"--model {ref!r} is marked {marked} but cannot be called as {call}: it is "
+                f"{_shown(fn, signature)}"
+            )
+        return str(marked)
+    if len(takes) == 1:
+        return takes[0]
+    signature_text = _shown(fn, signature)
+    if takes:
+        raise ConfigError(
+            f"--model {ref!r}: {signature_text} could be a graph model_fn(staged, schema) or a "
+            f"Keras build(schema); {MARKS}"
+        )
     raise ConfigError(
-        f"--model {ref!r} takes {len(params)} parameters: a graph model_fn takes "
-        "(staged, schema), a Keras build function takes (schema)"
+        f"--model {ref!r}: {signature_text} is neither a graph model_fn(staged, schema) nor a "
+        "Keras build(schema)"
     )
+
+
+def _shown(fn: Callable[..., Any], signature: inspect.Signature) -> str:
+    text = f"{getattr(fn, '__name__', type(fn).__name__)}{signature}"
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _binds(signature: inspect.Signature, count: int) -> bool:
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        return False
+    return True
+
+
+def _checked_model_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, with its result checked to be ``(loss, train_op)`` (a ``ConfigError`` if not)."""
+
+    def model_fn(staged: Any, schema: Any) -> tuple[Any, Any]:
+        result = fn(staged, schema)
+        if not isinstance(result, tuple | list) or len(result) != 2:
+            hint = "; a Keras build? mark it @stagefeed.keras_model" if _is_model(result) else ""
+            raise ConfigError(
+                f"the graph model_fn returned a {type(result).__name__}, not (loss, train_op)"
+                + hint
+            )
+        return result[0], result[1]
+
+    return model_fn
+
+
+def _is_model(value: Any) -> bool:
+    return callable(getattr(value, "fit", None)) and callable(getattr(value, "compile", None))
 
 
 def building(ref: str, build: Callable[..., Any], *args: Any) -> Any:

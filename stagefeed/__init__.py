@@ -2,11 +2,11 @@
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
 this package without TensorFlow: ``Producers`` and ``WorkerBook`` (producer processes, what
-``stagefeed produce`` runs) and the trainer-side names (``Feed``, ``ServedFeed``,
-``BooksFigures``, ``TrainedStep``, ``Trainer``, ``KerasTrainer``, ``StepRecord``,
-``StepObserver``, ``cast_layer`` and ``keep_freed_memory``) are loaded on first use (PEP 562);
-of those only ``Feed``, ``ServedFeed``, ``BooksFigures``, ``TrainedStep``, ``Trainer``,
-``KerasTrainer`` and ``cast_layer`` import TensorFlow.
+``stagefeed produce`` runs), the ``--model`` marks ``graph_model`` / ``keras_model`` and the
+trainer-side names (``Feed``, ``ServedFeed``, ``BooksFigures``, ``TrainedStep``, ``Trainer``,
+``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and ``keep_freed_memory``)
+are loaded on first use (PEP 562); of those only ``Feed``, ``ServedFeed``, ``BooksFigures``,
+``TrainedStep``, ``Trainer``, ``KerasTrainer`` and ``cast_layer`` import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 ``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
@@ -51,7 +51,9 @@ _LAZY = {
     "Trainer": "stagefeed.consumer.graph.trainer",
     "TrainedStep": "stagefeed.consumer.tf2.step_books",
     "cast_layer": "stagefeed.consumer.keras_fit.callback",
+    "graph_model": "stagefeed.consumer.model_ref",  # no TensorFlow
     "keep_freed_memory": "stagefeed.consumer.memory.malloc_policy",  # no TensorFlow
+    "keras_model": "stagefeed.consumer.model_ref",  # no TensorFlow
     "WorkerBook": "stagefeed.producer.pool",  # no TensorFlow
 }
 _WITH_TENSORFLOW = {
@@ -84,8 +86,10 @@ __all__ = [
     "WorkerBook",
     "__version__",
     "cast_layer",
+    "graph_model",
     "image_schema",
     "keep_freed_memory",
+    "keras_model",
     "load_schema",
 ]
 assert __all__ == sorted(__all__), "keep __all__ sorted"

@@ -10,7 +10,6 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -31,6 +30,8 @@ log = logging.getLogger("stagefeed")
 
 
 IMAGE_FLAGS = ("dtype", "image_size", "num_classes")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPES = ("float32", "uint8")
 
 
 def add_schema_flags(p: argparse.ArgumentParser, batch_size: int) -> None:
@@ -40,12 +41,10 @@ def add_schema_flags(p: argparse.ArgumentParser, batch_size: int) -> None:
         "by --dtype, --image-size and --num-classes.",
     )
     envflags.add(g, "--schema", default=None, help="a .json/.toml schema file or module:NAME")
-    envflags.add(
-        g, "--batch-size", type=int, default=None, help=f"examples per batch ({batch_size})"
-    )
-    envflags.add(g, "--dtype", default=None, choices=("float32", "uint8"), help="image dtype")
-    envflags.add(g, "--image-size", type=int, default=None, help="image height and width (227)")
-    envflags.add(g, "--num-classes", type=int, default=None, help="labels are in [0, N) (1000)")
+    envflags.add(g, "--batch-size", type=int, shown_default=str(batch_size), help="batch size")
+    envflags.add(g, "--dtype", choices=DTYPES, shown_default="float32", help="the images' dtype")
+    envflags.add(g, "--image-size", type=int, shown_default="227", help="image height and width")
+    envflags.add(g, "--num-classes", type=int, shown_default="1000", help="labels are in [0, N)")
     p.set_defaults(default_batch_size=batch_size)
 
 
@@ -94,7 +93,8 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add(
         g, "--model", default="alexnet",
         help="alexnet, or module:NAME: a graph model_fn(staged, schema), or build(schema) "
-        "returning a compiled Keras model (trained with model.fit)",
+        "returning a compiled Keras model (trained with model.fit); one that could be either: "
+        "mark it @stagefeed.graph_model or @stagefeed.keras_model",
     )  # fmt: skip
     envflags.add(
         g, "--targets", default=None,
@@ -144,11 +144,9 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
         g, "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
     )
     envflags.add(
-        g,
-        "--metrics-bind",
-        default="127.0.0.1",
+        g, "--metrics-bind", default="127.0.0.1",
         help="address the metrics endpoint listens on (0.0.0.0: every interface)",
-    )
+    )  # fmt: skip
     envflags.add_switch(
         g, "--metrics-producer-labels", help="per-producer metrics, labelled with producer ids"
     )
@@ -160,28 +158,30 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
         g, "--return-freed-memory", help="let glibc unmap freed batches (slower: page faults)"
     )
     p.set_defaults(default_steps=steps)
-    envflags.add(g, "--shm-socket", default=None, help="where producers offer shared-memory pools")
     envflags.add(
-        g, "--shm-producers", type=int, default=None,
-        help="same-host producers the shared-memory pools are sized for (train: 1, run: all)",
+        g, "--shm-socket", default=None, shown_default="one per --bind address (run: its own)",
+        help="where producers offer shared-memory pools",
+    )  # fmt: skip
+    envflags.add(
+        g, "--shm-producers", type=int, default=None, shown_default="train 1, run --producers",
+        help="same-host producers the shared-memory pools are sized for",
     )  # fmt: skip
 
 
-def add_data_transport_flag(p: argparse.ArgumentParser) -> None:
+def add_data_transport_flag(
+    p: argparse.ArgumentParser, default: str = "zmq", deprecated: Sequence[str] = ()
+) -> None:
     envflags.add(
-        p, "--transport", default="zmq", choices=TRANSPORTS,
-        help="batches over ZeroMQ, in shared-memory slots (same host and user), or auto",
+        p, "--transport", default=default, choices=(*TRANSPORTS, *deprecated),
+        metavar="{" + ",".join(TRANSPORTS) + "}",
+        help="what carries batches: zmq (ZeroMQ frames), shm (shared-memory slots: same host "
+        "and user) or auto (shm where it works, else zmq)",
     )  # fmt: skip
-
-
-def data_transport(args: argparse.Namespace) -> str:
-    """``zmq``/``shm``/``auto``; ``run``'s loopback ``tcp`` and ``ipc`` carry ZeroMQ batches."""
-    return {"tcp": "zmq", "ipc": "zmq"}.get(args.transport, args.transport)
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
     envflags.add(p, "--curve-keys", default=None, help="CURVE keys directory (stagefeed keygen)")
-    envflags.add(p, "--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    envflags.add(p, "--log-level", default="info", choices=LOG_LEVELS, help="what the log shows")
 
 
 def producer_options(args: argparse.Namespace, connect: str, workers: int) -> ProducerOptions:
@@ -196,7 +196,7 @@ def producer_options(args: argparse.Namespace, connect: str, workers: int) -> Pr
         short_batch=args.short_batch,
         seed=args.seed,
         curve_keys=args.curve_keys,
-        transport=data_transport(args),
+        transport=args.transport,
     )
 
 
@@ -236,7 +236,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         producer_timeout_s=args.producer_timeout_s,
         curve_keys=args.curve_keys,
         keep_freed_memory=not args.return_freed_memory,
-        transport=data_transport(args),
+        transport=args.transport,
         shm_socket=args.shm_socket or _run_socket(args),
         shm_producers=args.shm_producers or getattr(args, "producers", 1),
         epochs=args.epochs,
@@ -251,9 +251,11 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
 
 def _run_socket(args: argparse.Namespace) -> str | None:
     """``run``'s own pool socket, in a private directory its trainer makes and removes."""
-    if args.command != "run" or data_transport(args) == "zmq":
+    if args.command != "run" or args.transport == "zmq":
         return None
-    return os.path.join(tempfile.gettempdir(), f"stagefeed-shm-{os.getpid()}", "pools.sock")
+    from stagefeed import loopback
+
+    return loopback.pool_socket_path()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -291,11 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_flags(p)
     p.set_defaults(func=_train, largest_block=_largest_array)
 
-    p = sub.add_parser("run", help="trainer + N producers on loopback: the main job")
+    from stagefeed import loopback  # no TensorFlow, no ZeroMQ
+
+    p = sub.add_parser("run", help="trainer + N producers on this host: the main job")
     envflags.add(p, "--producers", type=int, default=2, help="producer processes")
+    add_data_transport_flag(p, default="auto", deprecated=tuple(loopback.DEPRECATED_TRANSPORTS))
     envflags.add(
-        p, "--transport", default="tcp", choices=("tcp", "ipc", "shm", "auto"),
-        help="loopback transport; shm: batches in shared-memory slots (auto: the same here)",
+        p, "--bind", default=None, shown_default="a private ipc socket with shm, else "
+        "tcp://127.0.0.1:*", help="address the trainer listens on",
     )  # fmt: skip
     add_schema_flags(p, batch_size=128)
     add_trainer_flags(p, steps=30)
@@ -342,8 +347,10 @@ def _train(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     shutdown = Shutdown().install()
     try:
+        from stagefeed import loopback
         from stagefeed.launcher import run_local
 
+        loopback.undeprecate(args)
         return run_local(args, trainer_options, producer_options, shutdown)
     finally:
         shutdown.finish()

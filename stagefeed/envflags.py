@@ -3,8 +3,9 @@
 ``--queue-mb`` reads ``STAGEFEED_QUEUE_MB``; a flag given on the command line wins. A bad
 environment value fails at start with a message naming the variable and the value, but only
 for the command that runs (``check``): one environment serves every command, and a value may
-be valid for one and not another (``STAGEFEED_TRANSPORT=zmq`` is ``train``'s and ``produce``'s,
-not ``run``'s; a compose file sets it for a trainer whose healthcheck runs ``health``).
+be valid for one and not another (``STAGEFEED_TRANSPORT=ipc`` is a deprecated spelling ``run``
+still takes and ``train`` never took; a compose file sets variables for a trainer whose
+healthcheck runs ``health``, which has no such flag).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def add(
     help: str = "",  # noqa: A002
     choices: Any = None,
     shown_default: str | None = None,
+    metavar: str | None = None,
 ) -> None:
     """``parser.add_argument(flag, ...)`` whose default comes from the environment if set.
 
@@ -57,6 +59,7 @@ def add(
         type=type,
         default=default,
         choices=choices,
+        metavar=metavar,
         help=f"{help} [env {name}; default: {shown_default or '%(default)s'}]",
     )
 

@@ -14,11 +14,11 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from stagefeed import loopback
 from stagefeed.common.errors import (
     EXIT_BROKEN,
     EXIT_CONFIG,
@@ -154,6 +154,7 @@ def _finish(
     json_path: str | None,
     final: FinalFigures | None,
     failure: StagefeedError | None,
+    transport_choice: dict[str, str] | None = None,
 ) -> int:
     """Print and write the summary; the exit code: 2 if a producer's source failed (its one
     line is the last on stderr), 4 if a non-finite loss stopped training, 3 if something else
@@ -161,7 +162,9 @@ def _finish(
     JSON could not be written after all (the text summary is on stdout), else 0."""
     from stagefeed.consumer.observe.summary import format_text, summarize, write_json
 
-    summary = summarize(trainer, final, time.monotonic() - started, shutdown.by_signal)
+    summary = summarize(
+        trainer, final, time.monotonic() - started, shutdown.by_signal, transport_choice
+    )
     print(format_text(summary), flush=True)
     code = 0
     if json_path:
@@ -225,13 +228,20 @@ def run_local(
 ) -> int:
     """The main job: a trainer and ``--producers`` producer processes on loopback."""
     shutdown = shutdown or Shutdown().install()
-    ipc_path = None
-    if args.transport in ("ipc", "shm", "auto"):  # shared memory: control over ipc
-        ipc_path = os.path.join(tempfile.gettempdir(), f"stagefeed-{os.getpid()}.sock")
-        bind = f"ipc://{ipc_path}"
-    else:
-        bind = "tcp://127.0.0.1:*"
-    options = trainer_options(args, bind)
+    # Every flag checked first (ZeroMQ on a provisional address), then --transport decided.
+    provisional = argparse.Namespace(**{**vars(args), "transport": "zmq"})
+    loop = loopback.plan(
+        args.transport,
+        args.bind,
+        trainer_options(provisional, "tcp://127.0.0.1:*"),
+        args.producers,
+        args.shm_socket,
+    )
+    if loop.asked == "auto":
+        log.info("--transport auto: %s (%s)", loop.chosen, loop.reason)
+    args.transport = loop.transport  # what the trainer and the producers are started with
+    options = trainer_options(args, loop.bind)
+    private_ipc = loopback.ipc_path()  # run's own socket file: removed whatever happens
     # Validate the producers' options before anything starts (endpoint filled in below).
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
     observe = observe_options(args)
@@ -258,14 +268,11 @@ def run_local(
         try:
             _close(shutdown, monitor, trainer, pool)
         finally:
-            if ipc_path and os.path.exists(ipc_path):
-                os.unlink(ipc_path)
+            if loop.bind == f"ipc://{private_ipc}" and os.path.exists(private_ipc):
+                os.unlink(private_ipc)
     if failure is None and pool is not None and pool.failures():
         failure = BrokenError(f"producer processes failed: {', '.join(pool.failures())}")
-    code = _finish(trainer, started, shutdown, args.json, monitor.final, failure)
+    code = _finish(trainer, started, shutdown, args.json, monitor.final, failure, loop.summary())
     sys.stdout.flush()
     exit_if_threads_left(code, shutdown.grace(LEFTOVER_THREADS_S))
     return code
-
-
-

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slow
     ("dtype", "transport"), [("float32", "tcp"), ("uint8", "ipc")], ids=["float32-tcp", "uint8-ipc"]
 )
 def test_run_trains_and_writes_the_summary(tmp_path, dtype, transport):
+    """ZeroMQ batches over loopback tcp, or over an ipc socket named by --bind."""
     summary_path = tmp_path / f"summary-{dtype}.json"
+    bind = [] if transport == "tcp" else ["--bind", f"ipc://{tmp_path}/run.sock"]
     done = run_cli(
         [
             "run",
@@ -30,7 +32,8 @@ def test_run_trains_and_writes_the_summary(tmp_path, dtype, transport):
             "--dtype",
             dtype,
             "--transport",
-            transport,
+            "zmq",
+            *bind,
             "--json",
             str(summary_path),
         ],
@@ -41,6 +44,10 @@ def test_run_trains_and_writes_the_summary(tmp_path, dtype, transport):
     assert "step " in done.stderr  # progress was shown while it ran
     summary = json.loads(summary_path.read_text())
     assert summary["wire_dtype"] == dtype and summary["batch_size"] == 2
+    assert summary["transport"] == transport and summary["endpoint"].startswith(transport)
+    assert summary["transport_choice"] == {
+        "asked": "zmq", "chosen": "zmq", "reason": "--transport zmq"
+    }  # fmt: skip
     assert summary["steps"] == 4 and summary["warmup_steps"] == 2
     assert not summary["interrupted"]
     for key in ("median_ms", "p90_ms", "examples_per_s", "received_mb_per_s"):

@@ -24,10 +24,15 @@ if TYPE_CHECKING:  # types only: a Keras run must not import graph mode (or Tens
 
 
 def summarize(
-    trainer: TrainerBase, final: FinalFigures | None, wall_s: float, interrupted: bool
+    trainer: TrainerBase,
+    final: FinalFigures | None,
+    wall_s: float,
+    interrupted: bool,
+    transport_choice: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Every figure of a run; ``final`` is None when the monitor never started (no step
-    figures then, and no advice)."""
+    figures then, and no advice). ``transport_choice``: ``run``'s ``--transport`` as asked,
+    chosen and why (``stagefeed.loopback``); None for ``train``."""
     options, spec = trainer.options, trainer.schema
     totals = trainer.ledger.totals()
     nan = math.nan
@@ -36,6 +41,7 @@ def summarize(
         "device": trainer.device,
         "endpoint": trainer.endpoint,
         "transport": trainer.transport,
+        "transport_choice": transport_choice,
         "shm": trainer.shm_stats(),
         "batch_size": spec.batch_size,
         "schema": spec.describe(),
@@ -150,15 +156,18 @@ def _or_nan(value: float | None) -> float:
 def _transport_line(s: dict[str, Any]) -> str:
     shm = s.get("shm")
     line = f"  transport {s.get('transport', '?')}, endpoint {s['endpoint']}"
-    if not shm:
-        return line
-    by_zmq = s["batches"]["received"] - shm["batches"]
-    return (
-        f"{line}; shared-memory pools offered at {shm['socket']}: {shm['slots_per_pool']} "
-        f"slots of {shm['slot_mb']} MiB = {shm['pool_mb']} MiB per producer (sized for "
-        f"{shm['sized_for_producers']}), {shm['pools_accepted']} pools mapped; batches by "
-        f"shared memory {shm['batches']}, by ZeroMQ {by_zmq}"
-    )
+    if shm:
+        by_zmq = s["batches"]["received"] - shm["batches"]
+        line += (
+            f"; shared-memory pools offered at {shm['socket']}: {shm['slots_per_pool']} "
+            f"slots of {shm['slot_mb']} MiB = {shm['pool_mb']} MiB per producer (sized for "
+            f"{shm['sized_for_producers']}), {shm['pools_accepted']} pools mapped; batches by "
+            f"shared memory {shm['batches']}, by ZeroMQ {by_zmq}"
+        )
+    choice = s.get("transport_choice")
+    if choice and choice["asked"] == "auto":  # run's default: what it chose here, and why
+        line += f"\n  --transport auto chose {choice['chosen']}: {choice['reason']}"
+    return line
 
 
 def _round(value: float, digits: int = 2) -> float | None:
