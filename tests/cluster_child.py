@@ -9,8 +9,8 @@ Settings: ``steps`` (budget, 0: none), ``batch`` (per worker, may differ between
 ``workers`` (for the reference), ``end_at`` (this worker's data has that many batches),
 ``stop_at`` (vote STOP once that many steps are done), ``nan_at`` (the batch of that step,
 1-based, holds a NaN), ``step_sleep`` (seconds after each step), ``stall_at`` and
-``stall_s`` (sleep that long after that step), ``timeout_s`` (collectives). A ``BrokenError``
-(the cluster lost a worker) is reported in the result, exit 3.
+``stall_s`` (sleep that long after that step), ``timeout_s`` (collectives), ``heartbeat_s``.
+A ``BrokenError`` (the cluster lost a worker) is reported in the result, exit 3.
 SIGTERM sets the local stop, as the trainer's signal handling does.
 """
 
@@ -29,7 +29,9 @@ if not SETTINGS.get("reference"):
     # The strategy is made first: collectives must be configured before any TensorFlow op.
     from stagefeed.consumer.cluster.strategy import make_cluster
 
-    CLUSTER = make_cluster(timeout_s=SETTINGS.get("timeout_s"))
+    CLUSTER = make_cluster(
+        timeout_s=SETTINGS.get("timeout_s"), heartbeat_s=SETTINGS.get("heartbeat_s")
+    )
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -108,6 +110,7 @@ def worker() -> dict:
     iterator = iter(distribute(strategy, lambda context: dataset(CLUSTER.index, size)))
     losses: list[float] = []
     history: list[dict] = []
+    step_times: list[float] = []
     stop_at = SETTINGS.get("stop_at")
 
     def local() -> Ending:
@@ -118,6 +121,7 @@ def worker() -> dict:
     def after_step(step: int, step_figures: dict[str, float]) -> None:
         losses.append(step_figures["loss"])
         history.append(step_figures)
+        step_times.append(time.time())
         print(f"STEP {step} {step_figures['loss']} {time.time():.2f}", flush=True)
         if not np.isfinite(step_figures["loss"]):
             raise NonFiniteLoss(step, step_figures["loss"])
@@ -136,7 +140,8 @@ def worker() -> dict:
         result.update(steps=len(losses), non_finite=str(exc), ending="FAIL")
     except BrokenError as exc:
         result.update(steps=len(losses), broken=str(exc), ending="FAIL")
-    result.update(losses=losses, history=history, weights=weights(model), ended_at=time.time())
+    result.update(losses=losses, history=history, weights=weights(model),
+                  step_times=step_times, ended_at=time.time())  # fmt: skip
     return result
 
 

@@ -115,9 +115,7 @@ def test_two_workers_train_like_one_process_on_their_batches_put_together(worker
     # Figures once per step, the same on both, the step's own values as Keras computes them
     assert first["history"] == second["history"]
     np.testing.assert_allclose(first["losses"], expected["losses"], rtol=1e-6)
-    assert [h["accuracy"] for h in first["history"]] == [
-        h["accuracy"] for h in expected["history"]
-    ]
+    assert [h["accuracy"] for h in first["history"]] == [h["accuracy"] for h in expected["history"]]
 
 
 @pytest.mark.parametrize(
@@ -159,6 +157,20 @@ def test_sigterm_to_one_worker_stops_both_after_the_same_step(workers):
     assert first["weights"] == second["weights"]
 
 
+def test_a_collective_timeout_fails_the_waiting_worker_when_its_peer_stalls(workers):
+    # Alive but stalled (heartbeats go on): only the collective timeout ends the wait.
+    settings = {"steps": 6, "batch": 4, "timeout_s": 5}
+    group = workers(settings, {**settings, "stall_at": 3, "stall_s": 20})
+    (code0, first), (code1, second) = group.wait()
+    assert (code0, code1) == (3, 3)
+    assert first["broken"] == (
+        "cluster broken after step 3: DeadlineExceededError: Collective has timed out during "
+        "execution.; restart every worker"
+    )
+    assert 4.5 < first["ended_at"] - first["step_times"][-1] < 9
+    assert second["broken"].startswith("cluster broken after step 3: UnavailableError")
+
+
 def test_a_nan_on_one_worker_stops_both_with_the_non_finite_error(workers):
     group = workers({"steps": 10, "batch": 4}, {"steps": 10, "batch": 4, "nan_at": 3})
     (code0, first), (code1, second) = group.wait()
@@ -169,17 +181,18 @@ def test_a_nan_on_one_worker_stops_both_with_the_non_finite_error(workers):
 
 
 @pytest.mark.parametrize(
-    ("victim", "cause", "within_s"),
+    ("victim", "heartbeat_s", "cause", "within_s"),
     [
-        (1, "stopped sending heartbeats", 20),  # the coordination service's 10 s heartbeat
-        (0, "UnavailableError", 20),  # the collectives' leader: refused at once on loopback
+        (1, None, "stopped sending heartbeats", 20),  # the coordination service's 10 s default
+        (1, 2.0, "stopped sending heartbeats", 8),
+        (0, None, "UnavailableError", 20),  # the collectives' leader: refused at once on loopback
     ],
-    ids=["worker-1", "worker-0"],
+    ids=["worker-1", "worker-1-heartbeat-2s", "worker-0"],
 )
 def test_a_killed_worker_fails_the_other_with_one_line_in_bounded_time(
-    workers, victim, cause, within_s
+    workers, victim, heartbeat_s, cause, within_s
 ):
-    group = workers({"steps": 0, "batch": 4, "step_sleep": 0.2})
+    group = workers({"steps": 0, "batch": 4, "step_sleep": 0.2, "heartbeat_s": heartbeat_s})
     assert wait_for(lambda: group.steps_printed(victim) >= 3, RUN_TIMEOUT_S)
     os.kill(group.procs[victim].pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -193,4 +206,5 @@ def test_a_killed_worker_fails_the_other_with_one_line_in_bounded_time(
     assert code == 3 and result["broken"].startswith("cluster broken after step ")
     assert cause in result["broken"] and result["broken"].endswith("restart every worker")
     assert "\n" not in result["broken"]
-    print(f"worker {1 - victim} failed {elapsed:.1f} s after worker {victim} was killed")
+    print(f"worker {1 - victim} failed {elapsed:.1f} s after worker {victim} was killed "
+          f"(heartbeat {heartbeat_s or 10} s)")  # fmt: skip

@@ -13,7 +13,10 @@ RING on CPU), ``"ring"`` or ``"nccl"``. ``timeout_s`` bounds each collective op
 included (a worker waiting for its next batch holds the others in the step's first
 collective), so it must exceed the longest wait for data; None (the default) waits for ever
 and leaves a dead peer to the coordination service's heartbeat (docs/scaling.md has what was
-measured).
+measured). ``heartbeat_s`` sets that heartbeat's timeout (TensorFlow's default: 10 s) through
+TensorFlow's private ``context.configure_coordination_service``, configured as the strategy
+itself would (standalone service, led by the chief or worker 0): shorter finds a dead worker
+sooner, but a worker whose heartbeat thread is starved of CPU for that long is declared dead.
 
 TF_CONFIG: TensorFlow's ``TFConfigClusterResolver`` reads it. The few facts needed before
 TensorFlow loads (``in_cluster``, and the worker index and count for log lines) come from
@@ -106,17 +109,27 @@ def refuse_in_cluster(what: str, environ: Mapping[str, str] | None = None) -> No
         )
 
 
-def make_cluster(*, timeout_s: float | None = None, implementation: str = "auto") -> Cluster:
+def make_cluster(
+    *,
+    timeout_s: float | None = None,
+    implementation: str = "auto",
+    heartbeat_s: float | None = None,
+) -> Cluster:
     """The strategy for this process's ``TF_CONFIG``; call before any other TensorFlow op."""
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"collective implementation must be one of {IMPLEMENTATIONS}, "
                           f"got {implementation!r:.40}")  # fmt: skip
     if timeout_s is not None and not timeout_s > 0:
         raise ConfigError(f"collective timeout must be > 0 seconds, got {timeout_s!r:.40}")
+    if heartbeat_s is not None and not heartbeat_s > 0:
+        raise ConfigError(f"heartbeat timeout must be > 0 seconds, got {heartbeat_s!r:.40}")
     if _task() is None:
         raise ConfigError("several trainers need TF_CONFIG (cluster and task); it is not set")
     index, count = worker_place()
     import tensorflow as tf
+
+    if heartbeat_s is not None:
+        _configure_heartbeat(heartbeat_s)
 
     kind = tf.distribute.experimental.CommunicationImplementation
     options = tf.distribute.experimental.CommunicationOptions(
@@ -142,6 +155,32 @@ def make_cluster(*, timeout_s: float | None = None, implementation: str = "auto"
         chief=is_chief(),
         replicas=strategy.num_replicas_in_sync,
     )
-    log.info("cluster: %s, collectives %s, timeout %s", cluster, implementation,
-             f"{timeout_s:g} s" if timeout_s else "none")  # fmt: skip
+    log.info("cluster: %s, collectives %s, timeout %s, heartbeat %s", cluster, implementation,
+             f"{timeout_s:g} s" if timeout_s else "none",
+             f"{heartbeat_s:g} s" if heartbeat_s else "10 s")  # fmt: skip
     return cluster
+
+
+def _configure_heartbeat(heartbeat_s: float) -> None:
+    """The coordination service as ``MultiWorkerMirroredStrategy`` configures it (TF 2.21,
+    ``collective_all_reduce_strategy.py``), with ``heartbeat_s``; it keeps a configured one."""
+    try:
+        from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+        from tensorflow.python.distribute import multi_worker_util
+        from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
+        from tensorflow.python.eager import context
+    except ImportError as exc:
+        raise ConfigError(
+            f"a heartbeat timeout needs TensorFlow's coordination service: {exc}"
+        ) from None
+    spec = TFConfigClusterResolver().cluster_spec()
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        heartbeat_timeout_in_ms=int(heartbeat_s * 1000),
+        coordinated_jobs=[
+            coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+            for job in ("chief", "worker")
+            if job in spec.jobs
+        ],
+    )
