@@ -11,6 +11,9 @@ Settings: ``steps`` (budget, 0: none), ``batch`` (per worker, may differ between
 1-based, holds a NaN), ``step_sleep`` (seconds after each step), ``stall_at`` and
 ``stall_s`` (sleep that long after that step), ``timeout_s`` (collectives), ``heartbeat_s``.
 A ``BrokenError`` (the cluster lost a worker) is reported in the result, exit 3.
+``"feed": true``: the worker's batches go through its own stagefeed ``Feed`` (a filler thread
+enqueues them and closes the feed after ``end_at``), read with ``feed.dataset(strategy=...)``
+and booked step by step, as the trainer will.
 SIGTERM sets the local stop, as the trainer's signal handling does.
 """
 
@@ -78,6 +81,27 @@ def dataset(worker: int, size: int) -> tf.data.Dataset:
     ).map(lambda x, y: (tf.ensure_shape(x, (size, 4)), tf.ensure_shape(y, (size,))))
 
 
+def feed_iterator(strategy: tf.distribute.Strategy, worker: int, size: int):
+    """The worker's batches through a ``Feed``: (iterator, feed, filler)."""
+    from stagefeed.common.schema import ArraySpec, Schema
+    from stagefeed.consumer.tf2.feed import Feed
+
+    from examples.filler import ThreadFiller
+
+    schema = Schema((ArraySpec("x", "float32", (4,)), ArraySpec("y", "int32", ())), size)
+    feed = Feed(schema, 4, stage_depth=1)
+    end_at, nan_at = SETTINGS.get("end_at"), SETTINGS.get("nan_at")
+    steps = range(end_at) if end_at is not None else iter(int, 1)  # endless without end_at
+
+    def batches():
+        for step, _ in enumerate(steps):
+            x, y = batch(worker, step, size, nan=nan_at is not None and step + 1 == nan_at)
+            yield {"x": x, "y": y}
+
+    filler = ThreadFiller(feed, batches()).start()
+    return iter(feed.dataset(("x", "y"), strategy=strategy)), feed, filler
+
+
 def weights(model: keras.Model) -> list[list[float]]:
     return [np.asarray(w).ravel().tolist() for w in model.get_weights()]
 
@@ -107,7 +131,12 @@ def worker() -> dict:
     with strategy.scope():
         model = build()
     initial = weights(model)
-    iterator = iter(distribute(strategy, lambda context: dataset(CLUSTER.index, size)))
+    feed = None
+    if SETTINGS.get("feed"):
+        iterator, feed, filler = feed_iterator(strategy, CLUSTER.index, size)
+        feed.books.begin()
+    else:
+        iterator = iter(distribute(strategy, lambda context: dataset(CLUSTER.index, size)))
     losses: list[float] = []
     history: list[dict] = []
     step_times: list[float] = []
@@ -121,6 +150,8 @@ def worker() -> dict:
     def after_step(step: int, step_figures: dict[str, float]) -> None:
         losses.append(step_figures["loss"])
         history.append(step_figures)
+        if feed is not None:
+            feed.books.step_done()
         step_times.append(time.time())
         print(f"STEP {step} {step_figures['loss']} {time.time():.2f}", flush=True)
         if not np.isfinite(step_figures["loss"]):
@@ -140,6 +171,13 @@ def worker() -> dict:
         result.update(steps=len(losses), non_finite=str(exc), ending="FAIL")
     except BrokenError as exc:
         result.update(steps=len(losses), broken=str(exc), ending="FAIL")
+    if feed is not None:
+        feed.books.end()
+        del iterator
+        filler.stop()
+        figures = feed.figures()
+        result["feed"] = {"enqueued": figures.enqueued, "trained": figures.trained,
+                          "abandoned": figures.abandoned, "queued": figures.queued}  # fmt: skip
     result.update(losses=losses, history=history, weights=weights(model),
                   step_times=step_times, ended_at=time.time())  # fmt: skip
     return result

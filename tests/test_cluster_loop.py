@@ -137,6 +137,24 @@ def test_a_workers_data_ending_stops_both_at_the_same_step(workers, ends, reason
     assert first["weights"] == second["weights"]
 
 
+def test_each_worker_trains_from_its_own_feed_and_its_books_balance(workers):
+    # The production input: each worker's stagefeed Feed (an eager queue filled by a thread,
+    # feed.dataset(strategy=...)); worker 1's source ends after 3 batches and closes its feed.
+    settings = {"steps": 10, "batch": 4, "feed": True}
+    group = workers(settings, {**settings, "end_at": 3})
+    expected = reference({"steps": 3, "batch": 4})
+    (code0, first), (code1, second) = group.wait()
+    assert (code0, code1) == (0, 0)
+    assert first["steps"] == second["steps"] == 3
+    assert first["reason"] == second["reason"] == "the data of worker 1 ended"
+    np.testing.assert_allclose(first["losses"], expected["losses"], rtol=1e-6)
+    assert first["weights"] == second["weights"]
+    assert second["feed"] == {"enqueued": 3, "trained": 3, "abandoned": 0, "queued": 0}
+    books = first["feed"]  # endless: the fetched batch of the last vote and the buffer abandoned
+    assert books["trained"] == 3 and books["abandoned"] >= 1
+    assert books["enqueued"] == books["trained"] + books["abandoned"] + books["queued"]
+
+
 def test_a_stop_vote_stops_both_at_the_same_step(workers):
     group = workers({"steps": 10, "batch": 4, "stop_at": 2}, {"steps": 10, "batch": 4})
     (code0, first), (code1, second) = group.wait()
