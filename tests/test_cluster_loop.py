@@ -107,7 +107,7 @@ def test_two_workers_train_like_one_process_on_their_batches_put_together(worker
     (code0, first), (code1, second) = group.wait()
     assert (code0, code1) == (0, 0)
     assert first["chief"] and not second["chief"] and first["replicas"] == 2
-    assert first["initial"] == second["initial"]  # the strategy broadcasts the first values
+    assert first["initial"] == second["initial"]
     assert first["steps"] == second["steps"] == 5
     assert first["reason"] == "worker 0, 1 stops"  # both spent their budget
     assert first["weights"] == second["weights"]  # bit for bit
