@@ -32,6 +32,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from stagefeed.common.errors import ConfigError
 
 
 class DistributedStep:
@@ -39,7 +40,7 @@ class DistributedStep:
 
     def __init__(self, strategy: tf.distribute.Strategy, model: keras.Model) -> None:
         if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
-            raise ValueError("the model must be compiled (optimizer and loss) under the scope")
+            raise ConfigError("the model must be compiled (optimizer and loss) under the scope")
         self.strategy = strategy
         self.model = model
         self.replicas = strategy.num_replicas_in_sync
