@@ -33,9 +33,9 @@ def test_worker_place_counts_the_chief_first():
 @pytest.mark.parametrize(
     ("environ", "complaint"),
     [
-        ({"TF_CONFIG": "{not json"}, "not a TensorFlow cluster configuration"),
-        (tf_config("worker", 5), "task worker 5 is not in its cluster"),
-        (tf_config("ps", 0), "task ps 0 is not in its cluster"),
+        ({"TF_CONFIG": "{not json"}, "TF_CONFIG is not JSON"),
+        (tf_config("worker", 5), "task.index 5 is out of range: cluster.worker has 2 tasks"),
+        (tf_config("ps", 0), "task.type 'ps' is not in the cluster"),
     ],
 )
 def test_a_bad_tf_config_is_one_config_error(environ, complaint):

@@ -20,22 +20,19 @@ sooner, but a worker whose heartbeat thread is starved of CPU for that long is d
 
 TF_CONFIG: TensorFlow's ``TFConfigClusterResolver`` reads it. The few facts needed before
 TensorFlow loads (``in_cluster``, and the worker index and count for log lines) come from
-``_task`` below, a deliberately small private parser, to be replaced by
-``stagefeed.common.tf_config`` once that exists. Who is chief follows
-``consumer.checkpoints.is_chief`` (the chief task, or worker 0 of a cluster without one).
+``stagefeed.common.tf_config``, which checks it with TensorFlow's rules. Who is chief follows
+``tf_config.is_chief`` (the chief task, or worker 0 of a cluster without one).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from stagefeed.common import tf_config
 from stagefeed.common.errors import ConfigError
-from stagefeed.consumer.checkpoints import is_chief
 
 log = logging.getLogger(__name__)
 
@@ -60,42 +57,23 @@ class Cluster:
         return f"worker {self.index}/{self.count}{role}, {self.replicas} replicas"
 
 
-def _task(environ: Mapping[str, str] | None = None) -> tuple[dict[str, list], str, int] | None:
-    """(cluster, task type, task index) from ``TF_CONFIG``, None without one. Private and
-    minimal: ``stagefeed.common.tf_config`` will own this."""
-    text = (os.environ if environ is None else environ).get("TF_CONFIG")
-    if not text:
-        return None
-    try:
-        config = json.loads(text)
-        cluster = {job: list(tasks) for job, tasks in (config.get("cluster") or {}).items()}
-        task = config.get("task") or {}
-        kind, index = str(task.get("type", "worker")), int(task.get("index", 0))
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"TF_CONFIG is not a TensorFlow cluster configuration: {exc}") from None
-    if index < 0 or index >= len(cluster.get(kind, ())):
-        raise ConfigError(f"TF_CONFIG: task {kind} {index} is not in its cluster {cluster}")
-    return cluster, kind, index
-
-
 def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``TF_CONFIG`` names a cluster of more than one trainer worker."""
-    task = _task(environ)
-    return task is not None and sum(len(task[0].get(j, ())) for j in ("chief", "worker")) > 1
+    config = tf_config.from_environ(environ)
+    return config is not None and config.num_workers > 1
 
 
 def worker_place(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
     """(index, count) of this worker, the chief first; (0, 1) without ``TF_CONFIG``."""
-    task = _task(environ)
-    if task is None:
+    config = tf_config.from_environ(environ)
+    if config is None:
         return 0, 1
-    cluster, kind, index = task
-    chiefs, workers = len(cluster.get("chief", ())), len(cluster.get("worker", ()))
-    if kind == "chief":
-        return index, chiefs + workers
-    if kind != "worker":
-        raise ConfigError(f"TF_CONFIG: a trainer is a 'chief' or 'worker' task, not {kind!r:.40}")
-    return chiefs + index, chiefs + workers
+    if config.task_type not in tf_config.TRAINING_TYPES:
+        raise ConfigError(
+            f"TF_CONFIG: a trainer is a 'chief' or 'worker' task, not {config.task_type!r:.40}"
+        )
+    address = config.cluster[config.task_type][config.task_index]
+    return config.worker_hosts().index(address), config.num_workers
 
 
 def refuse_in_cluster(what: str, environ: Mapping[str, str] | None = None) -> None:
@@ -123,7 +101,7 @@ def make_cluster(
         raise ConfigError(f"collective timeout must be > 0 seconds, got {timeout_s!r:.40}")
     if heartbeat_s is not None and not heartbeat_s > 0:
         raise ConfigError(f"heartbeat timeout must be > 0 seconds, got {heartbeat_s!r:.40}")
-    if _task() is None:
+    if tf_config.from_environ() is None:
         raise ConfigError("several trainers need TF_CONFIG (cluster and task); it is not set")
     index, count = worker_place()
     import tensorflow as tf
@@ -152,7 +130,7 @@ def make_cluster(
         task_index=int(resolver.task_id),
         index=index,
         count=count,
-        chief=is_chief(),
+        chief=tf_config.is_chief(),
         replicas=strategy.num_replicas_in_sync,
     )
     log.info("cluster: %s, collectives %s, timeout %s, heartbeat %s", cluster, implementation,
