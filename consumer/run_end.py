@@ -2,9 +2,14 @@
 
 ``RunEnd.poll()`` looks at what can end a run, highest first, and returns a ``Verdict``:
 
-- ``FAIL``: a check failed: the intake broke, a producer process failed (``BrokenError``, or
-  the ``ConfigError`` a worker reported), or a check raised anything else. The run ends now
-  and the trainer raises ``verdict.failure`` as it came (a ``ConfigError`` still exits 2).
+- ``FAIL``: a check failed: the intake broke, a producer process failed (``BrokenError``), or
+  a check raised anything else. The run ends now and the trainer raises ``verdict.failure``
+  as it came.
+- A producer's source failed (a check raised the ``ConfigError`` its worker reported: a wrong
+  or short batch): ``DRAIN`` with ``failure`` set, once that producer's data ended or
+  ``gone_grace_s`` passed (it delivered its good batches before it exited). The queue closes,
+  what is queued is trained, then the trainer raises ``verdict.failure`` (exit 2): good
+  batches are trained, never thrown away for a later bad one.
 - ``STOP``: a stop was requested (the ``stop`` event: a signal, the user). The run ends now;
   what is queued stays queued and is booked as such.
 - ``DRAIN``: the data ended: every producer that delivered said ``end`` and every batch they
@@ -18,7 +23,9 @@
 
 Invariants: verdicts only rise (``RUNNING < DRAIN < STOP < FAIL``): a stop during a drain
 stops, a failure during either fails, and nothing goes back to running; the first verdict of
-the highest level is kept with its reason. ``poll`` never raises. The run's length in steps
+the highest level is kept with its reason, unless a later one of that level carries a
+failure (a drain that turns out to follow a source's failure still ends in that failure).
+``poll`` never raises. The run's length in steps
 is the trainers' loop bound, not decided here.
 
 Why the ordering matters beyond one process: with several workers (MultiWorkerMirroredStrategy)
@@ -35,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from stagefeed.common.errors import ClosedError
+from stagefeed.common.errors import ClosedError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ class Ending(enum.IntEnum):
 class Verdict:
     ending: Ending
     reason: str = ""
-    failure: BaseException | None = None  # FAIL only
+    failure: BaseException | None = None  # FAIL; DRAIN after a producer's source failed
     data_ended: bool = False  # DRAIN because every producer's data ended (not just gone)
 
 
@@ -84,6 +91,7 @@ class RunEnd:
         self._verdict = RUNNING
         self._gone_at: float | None = None
         self._ended_at: float | None = None  # since when ``data_ended`` holds
+        self._source_failed_at: float | None = None
 
     @property
     def verdict(self) -> Verdict:
@@ -106,6 +114,15 @@ class RunEnd:
                 if self._gone_at is None:
                     self._gone_at = self.clock()
                     log.info("%s: training what they delivered", exc)
+            except ConfigError as exc:  # a producer's source: train its good batches first
+                if self._source_failed_at is None:
+                    self._source_failed_at = self.clock()
+                    log.info("a producer's source failed: training what was delivered, then "
+                             "failing (%s)", exc)  # fmt: skip
+                waited = self.clock() - self._source_failed_at
+                if self.data_ended() or waited >= self.gone_grace_s:
+                    return Verdict(Ending.DRAIN, f"a producer's source failed: {exc}",
+                                   failure=exc)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - every failure ends the run, by its type
                 return Verdict(Ending.FAIL, f"{type(exc).__name__}: {exc}", failure=exc)
         if not self.data_ended():
@@ -119,5 +136,7 @@ class RunEnd:
         return RUNNING
 
     def _raise_to(self, verdict: Verdict) -> None:
-        if verdict.ending > self._verdict.ending:
+        current = self._verdict
+        failing = verdict.failure is not None and current.failure is None
+        if verdict.ending > current.ending or (verdict.ending == current.ending and failing):
             self._verdict = verdict

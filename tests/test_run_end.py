@@ -70,14 +70,34 @@ def test_producers_gone_without_end_drain_after_the_grace_only():
     assert verdict.reason == "every producer process ended"
 
 
-@pytest.mark.parametrize("error", [BrokenError("intake broke"), ConfigError("bad batch"),
-                                   RuntimeError("a bug")])  # fmt: skip
+@pytest.mark.parametrize("error", [BrokenError("intake broke"), RuntimeError("a bug")])
 def test_any_failed_check_fails_the_run_with_the_exception_as_it_came(error):
     inputs = Inputs()
     inputs.raises = error
     verdict = inputs.run_end().poll()
     assert verdict.ending is Ending.FAIL and verdict.failure is error
     assert type(error).__name__ in verdict.reason
+
+
+def test_a_source_that_failed_drains_its_good_batches_then_fails():
+    """A producer's ConfigError (a wrong or short batch) drains first: once its data ended,
+    or after the grace for its batches to arrive; the failure rides on the DRAIN verdict,
+    also when the plain data-ended DRAIN was seen first."""
+    inputs = Inputs()
+    run_end = inputs.run_end(grace_s=2.0)
+    error = ConfigError("source 'x' batch 2 is short")
+    inputs.raises = error
+    assert run_end.poll().ending is Ending.RUNNING  # its last batches may be on their way
+    inputs.now = 2.0
+    verdict = run_end.poll()
+    assert (verdict.ending, verdict.failure, verdict.data_ended) == (Ending.DRAIN, error, False)
+    inputs = Inputs()
+    run_end = inputs.run_end()
+    inputs.ended = True  # its end (reason source_error) came before its process exited
+    assert run_end.poll().failure is None
+    inputs.raises = error
+    verdict = run_end.poll()
+    assert verdict.ending is Ending.DRAIN and verdict.failure is error
 
 
 def test_verdicts_only_rise_and_the_first_of_a_level_is_kept():

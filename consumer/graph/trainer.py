@@ -126,6 +126,8 @@ class Trainer(TrainerBase):
                 raise verdict.failure
             if verdict.ending is Ending.STOP:
                 break
+            if verdict.failure is not None:  # a source failed: only what was sent is trained
+                self._intake.stop_granting()
             queued = self.queue_batches
             started = time.monotonic()
             try:
@@ -152,6 +154,8 @@ class Trainer(TrainerBase):
             self.epoch_ended(step)
             if self.checkpoints is not None:
                 self.checkpoints.after_step(step)
+        if run_end.verdict.failure is not None:  # drained after a source's failure: now fail
+            raise run_end.verdict.failure
         if self.checkpoints is not None:
             self.checkpoints.final(step)
 

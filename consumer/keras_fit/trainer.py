@@ -141,6 +141,8 @@ class KerasTrainer(TrainerBase):
             self.data_ended = verdict.data_ended
             self.drained_because = verdict.reason
             log.info("%s and every batch was trained", verdict.reason)
+        if self._failure is None and verdict.failure is not None:  # drained, then fail
+            self._failure = verdict.failure
         if self._failure is not None:
             raise self._failure
         if self.checkpoints is not None:
