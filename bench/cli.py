@@ -77,6 +77,18 @@ def add_parser(subparsers: Any) -> None:
     _common(p)
     p.set_defaults(func=_steps)
 
+    p = sub.add_parser(
+        "cluster", help="ms/step of two trainer workers fed by stagefeed vs synthetic data"
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="images per worker's batch [16]")
+    p.add_argument("--image-size", type=int, default=195, help="image height and width [195]")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per mode [12]")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per mode [2]")
+    p.add_argument("--producers", type=int, default=1, help="producers per worker [1]")
+    p.add_argument("--json", default=None, help="write every figure as JSON to this path")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_cluster)
+
     p = sub.add_parser("ingest", help="GB/s the feed path delivers, next to raw pyzmq, memcpy")
     p.add_argument("--dtypes", type=_list_of(str), default=IMAGE_DTYPES, help="float32,uint8")
     p.add_argument("--producers", type=_list_of(int), default=(1, 2, 4), help="e.g. 1,2,4")
@@ -121,6 +133,24 @@ def _steps(args: argparse.Namespace) -> int:
     )
     return _run_and_report(
         "steps", lambda: run_steps(config, logging.getLogger().level), steps_table, args.json
+    )
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    for name in ("batch_size", "image_size", "steps", "producers"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup_steps < 0:
+        raise ConfigError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    from stagefeed.bench.cluster import cluster_table, run_cluster
+
+    return _run_and_report(
+        "cluster",
+        lambda: run_cluster(
+            args.batch_size, args.image_size, args.steps, args.warmup_steps, args.producers
+        ),
+        cluster_table,
+        args.json,
     )
 
 
