@@ -37,6 +37,7 @@ channel sets one ``threading.Event`` when it posts an event, which is what ``_wa
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +52,8 @@ from stagefeed.common.shm.slots import SlotPool
 from stagefeed.producer.channel import POLL_S, OnRelease, TrainerChannel
 from stagefeed.producer.handoff import Drained, Outgoing, Welcome
 from stagefeed.producer.shm_lane import ShmLane
+
+log = logging.getLogger(__name__)
 
 SLOT_WAIT_S = 0.02  # how long a slot of the chosen trainer's pool is waited for, per try
 
@@ -71,6 +74,7 @@ class Fanout:
         heartbeat_timeout_s: float = 0.0,
     ) -> None:
         self.endpoint = ", ".join(endpoints)
+        self.name = name
         self._wake = threading.Event()
         self.channels: list[TrainerChannel] = []
         self.welcome: Welcome | None = None
@@ -190,6 +194,14 @@ class Fanout:
             self._wait(stop)
             unsent += self._give_up_returned()  # handed back before the channel had Finish
         drained = [self.channels[i].drained for i in ending]
+        for index, channel in enumerate(self.channels):
+            count, done = self._next_seq[index], channel.drained
+            log.info(
+                "producer %s: %d batches to the trainer at %s (%s), end %s",
+                self.name, count, channel.endpoint,
+                f"seq 0..{count - 1}" if count else "none",
+                "sent" if done is not None and done.end_sent else "not sent",
+            )  # fmt: skip
         return Drained(
             unsent + sum(d.unsent for d in drained if d is not None),
             all(d is not None and d.end_sent for d in drained),
