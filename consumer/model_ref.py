@@ -36,9 +36,7 @@ from stagefeed.common.refs import import_ref
 
 if TYPE_CHECKING:
     from stagefeed.common.options import TrainerOptions
-    from stagefeed.consumer.graph.trainer import Trainer
-    from stagefeed.consumer.keras_fit.trainer import KerasTrainer
-    from stagefeed.consumer.trainer_base import StepObserver
+    from stagefeed.consumer.trainer_base import StepObserver, TrainerBase
 
 DEFAULT_MODEL = "alexnet"
 GRAPH = "graph"
@@ -161,14 +159,23 @@ def trainer(
     options: TrainerOptions,
     observers: Sequence[StepObserver] = (),
     configure_server: Callable[[Any], None] | None = None,
-) -> Trainer | KerasTrainer:
+) -> TrainerBase:
     """The trainer for ``options.model``: graph mode for a ``model_fn``, ``model.fit`` for a
-    Keras ``build``. ``ConfigError`` if the model cannot be resolved (see ``resolve``)."""
+    Keras ``build``, and for a Keras ``build`` when ``TF_CONFIG`` names a cluster, one worker
+    of it (``consumer.cluster.trainer``; graph mode is refused there). ``ConfigError`` if the
+    model cannot be resolved (see ``resolve``)."""
     kind, fn = resolve(options.model)
+    from stagefeed.consumer.cluster.strategy import in_cluster, refuse_in_cluster
+
+    if kind == KERAS and in_cluster():  # one worker of a MultiWorkerMirroredStrategy cluster
+        from stagefeed.consumer.cluster.trainer import ClusterTrainer
+
+        return ClusterTrainer(options, observers, configure_server, build=fn)
     if kind == KERAS:
         from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 
         return KerasTrainer(options, observers, configure_server, build=fn)
+    refuse_in_cluster(f"graph mode (--model {options.model!r})")
     from stagefeed.consumer.graph.trainer import Trainer
 
     return Trainer(options, observers, configure_server, model_fn=fn)

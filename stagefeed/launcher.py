@@ -237,8 +237,6 @@ def run_local(
         args.producers,
         args.shm_socket,
     )
-    if loop.asked == "auto":
-        log.info("--transport auto: %s (%s)", loop.chosen, loop.reason)
     args.transport = loop.transport  # what the trainer and the producers are started with
     options = trainer_options(args, loop.bind)
     private_ipc = loopback.ipc_path()  # run's own socket file: removed whatever happens
@@ -246,6 +244,8 @@ def run_local(
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
     observe = observe_options(args)
     _check_outputs(args.json, observe.logdir, options.save_dir)
+    if loop.asked == "auto":  # after every check: a refused start says one line only
+        log.info("--transport auto: %s (%s)", loop.chosen, loop.reason)
     from stagefeed.consumer.quiet_tf import import_tensorflow
 
     import_tensorflow()  # seconds
@@ -271,7 +271,12 @@ def run_local(
             if loop.bind == f"ipc://{private_ipc}" and os.path.exists(private_ipc):
                 os.unlink(private_ipc)
     if failure is None and pool is not None and pool.failures():
-        failure = BrokenError(f"producer processes failed: {', '.join(pool.failures())}")
+        try:  # what a failed worker reported, as it reported it (a source's ConfigError: 2)
+            pool.wait(0)
+        except (BrokenError, ConfigError) as exc:
+            failure = exc
+        if failure is None:
+            failure = BrokenError(f"producer processes failed: {', '.join(pool.failures())}")
     code = _finish(trainer, started, shutdown, args.json, monitor.final, failure, loop.summary())
     sys.stdout.flush()
     exit_if_threads_left(code, shutdown.grace(LEFTOVER_THREADS_S))

@@ -1,0 +1,164 @@
+"""The cluster a trainer worker belongs to: ``MultiWorkerMirroredStrategy`` from ``TF_CONFIG``.
+
+``make_cluster()`` must be the first TensorFlow call of the process: the strategy configures
+the eager context's collective ops and starts this worker's gRPC server, which TensorFlow
+refuses once any op has run (``RuntimeError: Collective ops must be configured at program
+startup``, turned here into a ``ConfigError`` that says so). It returns a ``Cluster``: the
+strategy and this worker's place in it (index, count, chief).
+
+Collectives: ``implementation="auto"`` (NCCL where every replica is a GPU, RING otherwise, so
+RING on CPU), ``"ring"`` or ``"nccl"``. ``timeout_s`` bounds each collective op
+(``CommunicationOptions(timeout_seconds=...)``): a collective that waits longer fails with
+``DeadlineExceededError`` instead of hanging. It counts every wait, a slow producer's
+included (a worker waiting for its next batch holds the others in the step's first
+collective), so it must exceed the longest wait for data; None (the default) waits for ever
+and leaves a dead peer to the coordination service's heartbeat (docs/scaling.md has what was
+measured). ``heartbeat_s`` sets that heartbeat's timeout (TensorFlow's default: 10 s) through
+TensorFlow's private ``context.configure_coordination_service``, configured as the strategy
+itself would (standalone service, led by the chief or worker 0): shorter finds a dead worker
+sooner, but a worker whose heartbeat thread is starved of CPU for that long is declared dead.
+
+TF_CONFIG: TensorFlow's ``TFConfigClusterResolver`` reads it. The few facts needed before
+TensorFlow loads (``in_cluster``, and the worker index and count for log lines) come from
+``stagefeed.common.tf_config``, which checks it with TensorFlow's rules. Who is chief follows
+``tf_config.is_chief`` (the chief task, or worker 0 of a cluster without one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from stagefeed.common import tf_config
+from stagefeed.common.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("auto", "ring", "nccl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """This worker's strategy and place. ``index`` counts the chief first (0..count-1), as the
+    strategy numbers its workers; ``replicas`` is every worker's devices together."""
+
+    strategy: Any  # tf.distribute.MultiWorkerMirroredStrategy
+    task_type: str
+    task_index: int
+    index: int
+    count: int
+    chief: bool
+    replicas: int
+
+    def __str__(self) -> str:
+        role = " (chief)" if self.chief else ""
+        return f"worker {self.index}/{self.count}{role}, {self.replicas} replicas"
+
+
+def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``TF_CONFIG`` names a cluster of more than one trainer worker."""
+    config = tf_config.from_environ(environ)
+    return config is not None and config.num_workers > 1
+
+
+def worker_place(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(index, count) of this worker, the chief first; (0, 1) without ``TF_CONFIG``."""
+    config = tf_config.from_environ(environ)
+    if config is None:
+        return 0, 1
+    if config.task_type not in tf_config.TRAINING_TYPES:
+        raise ConfigError(
+            f"TF_CONFIG: a trainer is a 'chief' or 'worker' task, not {config.task_type!r:.40}"
+        )
+    address = config.cluster[config.task_type][config.task_index]
+    return config.worker_hosts().index(address), config.num_workers
+
+
+def refuse_in_cluster(what: str, environ: Mapping[str, str] | None = None) -> None:
+    """``ConfigError`` in one line if ``TF_CONFIG`` names a cluster: for what runs on one
+    worker only (graph mode)."""
+    if in_cluster(environ):
+        _, count = worker_place(environ)
+        raise ConfigError(
+            f"{what} trains on one worker, and TF_CONFIG names a cluster of {count}: several "
+            "trainers need a Keras --model build(schema), or unset TF_CONFIG"
+        )
+
+
+def make_cluster(
+    *,
+    timeout_s: float | None = None,
+    implementation: str = "auto",
+    heartbeat_s: float | None = None,
+) -> Cluster:
+    """The strategy for this process's ``TF_CONFIG``; call before any other TensorFlow op."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"collective implementation must be one of {IMPLEMENTATIONS}, "
+                          f"got {implementation!r:.40}")  # fmt: skip
+    if timeout_s is not None and not timeout_s > 0:
+        raise ConfigError(f"collective timeout must be > 0 seconds, got {timeout_s!r:.40}")
+    if heartbeat_s is not None and not heartbeat_s > 0:
+        raise ConfigError(f"heartbeat timeout must be > 0 seconds, got {heartbeat_s!r:.40}")
+    if tf_config.from_environ() is None:
+        raise ConfigError("several trainers need TF_CONFIG (cluster and task); it is not set")
+    index, count = worker_place()
+    import tensorflow as tf
+
+    if heartbeat_s is not None:
+        _configure_heartbeat(heartbeat_s)
+
+    kind = tf.distribute.experimental.CommunicationImplementation
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation={"auto": kind.AUTO, "ring": kind.RING, "nccl": kind.NCCL}[implementation],
+        timeout_seconds=timeout_s,
+    )
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    except RuntimeError as exc:
+        if "at program startup" not in str(exc):
+            raise
+        raise ConfigError(
+            "the cluster strategy must be made before any other TensorFlow op in the process "
+            f"({exc})"
+        ) from None
+    resolver = strategy.cluster_resolver
+    cluster = Cluster(
+        strategy=strategy,
+        task_type=resolver.task_type,
+        task_index=int(resolver.task_id),
+        index=index,
+        count=count,
+        chief=tf_config.is_chief(),
+        replicas=strategy.num_replicas_in_sync,
+    )
+    log.info("cluster: %s, collectives %s, timeout %s, heartbeat %s", cluster, implementation,
+             f"{timeout_s:g} s" if timeout_s else "none",
+             f"{heartbeat_s:g} s" if heartbeat_s else "10 s")  # fmt: skip
+    return cluster
+
+
+def _configure_heartbeat(heartbeat_s: float) -> None:
+    """The coordination service as ``MultiWorkerMirroredStrategy`` configures it (TF 2.21,
+    ``collective_all_reduce_strategy.py``), with ``heartbeat_s``; it keeps a configured one."""
+    try:
+        from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+        from tensorflow.python.distribute import multi_worker_util
+        from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
+        from tensorflow.python.eager import context
+    except ImportError as exc:
+        raise ConfigError(
+            f"a heartbeat timeout needs TensorFlow's coordination service: {exc}"
+        ) from None
+    spec = TFConfigClusterResolver().cluster_spec()
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        heartbeat_timeout_in_ms=int(heartbeat_s * 1000),
+        coordinated_jobs=[
+            coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+            for job in ("chief", "worker")
+            if job in spec.jobs
+        ],
+    )

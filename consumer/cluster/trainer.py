@@ -1,0 +1,177 @@
+"""One worker of a ``MultiWorkerMirroredStrategy`` cluster, trained from its own feed.
+
+``stagefeed train`` with a Keras ``--model`` runs this trainer when ``TF_CONFIG`` names a
+cluster (``consumer.model_ref.trainer``); graph mode is refused there in one line. Keras 3's
+``fit`` fails under the strategy (docs/scaling.md, keras-team/keras#20585), so the worker
+trains with the cluster loop (``consumer.cluster.loop``): the compiled model's own loss,
+optimizer and metrics in a distributed step, one collective vote per step so that every
+worker stops after the same step.
+
+Lifecycle, as every ``TrainerBase``: ``ClusterTrainer(options, ...)`` makes the strategy (the
+process's first TensorFlow op: ``ConfigError`` otherwise) -> ``start()`` builds and checks the
+model under the strategy's scope, binds this worker's ``ServedFeed`` (its own ``--bind``;
+producers connect to every worker) -> ``train(stop)`` -> ``close()`` (idempotent).
+
+The worker's own ``RunEnd`` (stop, intake and producer failures, the end of its data) is its
+vote; a watcher thread, ``stagefeed-cluster-watch``, closes the feed's queue as soon as the
+verdict is not ``RUNNING``, so a worker waiting for a batch that will not come returns and
+votes. Every worker books the batches its own steps trained, in its own summary; only the chief
+keeps checkpoints and ``--save`` (``consumer.checkpoints``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from stagefeed.common.errors import BrokenError, ConfigError
+from stagefeed.common.lifecycle import join_threads
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer import model_ref
+from stagefeed.consumer.checkpoints import Checkpoints
+from stagefeed.consumer.cluster import loop
+from stagefeed.consumer.cluster.collective_stop import vote_for
+from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
+from stagefeed.consumer.devices import training_device
+from stagefeed.consumer.keras_fit.model_check import check_model
+from stagefeed.consumer.keras_fit.trainer import keras_format
+from stagefeed.consumer.run_end import Ending, RunEnd
+from stagefeed.consumer.tf2.served_feed import ServedFeed
+from stagefeed.consumer.trainer_base import StepObserver, StepRecord, TrainerBase
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 0.1
+JOIN_TIMEOUT_S = 5.0
+
+
+class ClusterTrainer(TrainerBase):
+    """A Keras model trained as one worker of the ``TF_CONFIG`` cluster."""
+
+    def __init__(
+        self,
+        options: TrainerOptions,
+        observers: Sequence[StepObserver] = (),
+        configure_server: Callable[[Any], None] | None = None,
+        build: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.cluster: Cluster = make_cluster()  # before any other TensorFlow op
+        super().__init__(
+            options, observers, configure_server, device=training_device(options.device)
+        )
+        self.build = build
+        self.model: Any = None
+        self.feed: ServedFeed | None = None
+        self._dataset: Any = None
+        self.checkpoints: Checkpoints | None = None
+        self._wait_s = 0.0
+        self._last_end = 0.0
+        self._closed = False
+
+    def start(self) -> ClusterTrainer:
+        options, ref = self.options, self.options.model
+        build = self.build
+        if build is None:
+            kind, build = model_ref.resolve(ref)
+            if kind != model_ref.KERAS:
+                raise ConfigError(f"--model {ref!r} is a graph model_fn, not a Keras build")
+        with self.cluster.strategy.scope():
+            model = model_ref.building(ref, build, self.schema)
+        plan = check_model(ref, model, self.schema, options.targets)
+        self.model = model
+        if options.save_dir is not None:
+            self.checkpoints = Checkpoints(options, keras_format(model))
+        self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
+        self._intake = self.feed.intake
+        self.endpoint = self.feed.endpoint
+        self._dataset = self.feed.dataset(
+            plan.mapping(), strategy=self.cluster.strategy, cast="step"
+        )
+        log.info("Keras model %s on %s: x %s, y %s; a distributed step of its compiled loss, "
+                 "optimizer and metrics", model.name, self.cluster, list(plan.inputs),
+                 list(plan.targets))  # fmt: skip
+        return self
+
+    @property
+    def queue_batches(self) -> int:
+        return self.feed.queue.size() if self.feed is not None else 0
+
+    def train(
+        self, stop: threading.Event, health_check: Callable[[], None] | None = None
+    ) -> None:
+        """Train until the cluster's vote ends the run. Raises this worker's own failure
+        (``BrokenError``, a producer's ``ConfigError``, ``NonFiniteLoss``), or ``BrokenError``
+        for another worker's failure or a broken cluster."""
+        assert self.feed is not None and self.model is not None
+        feed = self.feed
+        checks = [feed.check] + ([health_check] if health_check else [])
+        run_end = RunEnd(stop, feed.intake.data_ended, checks)
+        watch_done = threading.Event()
+        watcher = threading.Thread(
+            target=self._watch, args=(run_end, watch_done), name="stagefeed-cluster-watch",
+            daemon=True,
+        )  # fmt: skip
+        watcher.start()
+        self._last_end = time.monotonic()
+        try:
+            end = loop.train(
+                self.cluster.strategy, self.model, iter(self._dataset),
+                steps=self.options.total_steps,
+                local=lambda: vote_for(run_end.poll()),
+                after_step=self._after_step,
+            )  # fmt: skip
+        finally:
+            watch_done.set()
+            join_threads([watcher], JOIN_TIMEOUT_S)
+            feed.books.end()
+        mine = run_end.verdict
+        if mine.ending is Ending.FAIL:
+            assert mine.failure is not None
+            raise mine.failure
+        if end.verdict.ending is Ending.FAIL:
+            raise BrokenError(f"cluster: {end.verdict.reason}")
+        if end.verdict.ending is Ending.DRAIN:
+            self.data_ended = mine.data_ended
+            self.drained_because = end.verdict.reason
+        if self.checkpoints is not None:
+            self.checkpoints.final(self.steps_done)
+
+    def _watch(self, run_end: RunEnd, done: threading.Event) -> None:
+        """Close the queue once this worker's verdict is not RUNNING: a fetch waiting for a
+        batch returns (the queued tail is still fetched), and the next vote carries it."""
+        assert self.feed is not None
+        while not done.wait(WATCH_S):
+            if run_end.poll().ending is not Ending.RUNNING:
+                self.feed.queue.close()
+                return
+
+    def _after_step(self, step: int, figures: dict[str, float]) -> None:
+        """(the loop's thread) book the step this worker trained, show it, checkpoint."""
+        assert self.feed is not None
+        books = self.feed.books
+        books.step_done(1)
+        now = time.monotonic()
+        total_wait = books.figures().wait_s
+        elapsed = now - self._last_end
+        wait = min(max(total_wait - self._wait_s, 0.0), elapsed)
+        self._last_end, self._wait_s = now, total_wait
+        self.metrics_last = {k: v for k, v in figures.items() if k != "loss"}
+        record = StepRecord(
+            step, step > self.options.warmup_steps, wait, elapsed - wait,
+            figures.get("loss", float("nan")), self.queue_batches, now,
+        )  # fmt: skip
+        self.book_step(record)  # NonFiniteLoss: the loss is all-reduced, the same everywhere
+        self.epoch_ended(step)
+        if self.checkpoints is not None:
+            self.checkpoints.after_step(step)
+
+    def close(self) -> None:
+        """Idempotent: no more credit, the queue closes, the intake's threads are joined."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.feed is not None:
+            self.feed.close()
