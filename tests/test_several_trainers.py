@@ -26,10 +26,11 @@ REGRESSION = [
 STARTUP_S = 120
 
 
-def trainers(spawn) -> tuple[procs.Trainer, procs.Trainer]:
+def trainers(spawn, transport: str = "zmq") -> tuple[procs.Trainer, procs.Trainer]:
+    flags = [*REGRESSION, "--transport", transport]
     return (
-        procs.Trainer(spawn, *REGRESSION, name="trainer-a"),
-        procs.Trainer(spawn, *REGRESSION, name="trainer-b"),
+        procs.Trainer(spawn, *flags, name="trainer-a"),
+        procs.Trainer(spawn, *flags, name="trainer-b"),
     )
 
 
@@ -38,11 +39,15 @@ def summary(trainer: procs.Trainer) -> dict:
         return json.load(f)
 
 
-def test_two_producers_feed_two_trainers_each_batch_trained_once(spawn):
-    a, b = trainers(spawn)
+@pytest.mark.parametrize("transport", ["zmq", "auto"])
+def test_two_producers_feed_two_trainers_each_batch_trained_once(spawn, transport):
+    """``auto``: both trainers are on this host, so each channel hands batches over in its
+    own shared-memory pool, one pool per trainer."""
+    a, b = trainers(spawn, transport)
     producers = spawn(
         ["produce", "--connect", a.endpoint, "--connect", b.endpoint, "--workers", "2",
-         "--source", "tests.regression_models:sums", "--max-batches", "40"],
+         "--source", "tests.regression_models:sums", "--max-batches", "40",
+         "--transport", transport],
         name="producers",
     )  # fmt: skip
     assert producers.wait(STARTUP_S) == 0, procs.log_text(producers)
@@ -74,6 +79,8 @@ def test_two_producers_feed_two_trainers_each_batch_trained_once(spawn):
             assert stats["trained_duplicates"] == 0 and stats["dropped"] == {}
         assert sum(given[(producer, e)] for e in books) == count
     assert "end not sent" not in log
+    offered = re.findall(r"pool \S+ offered to the trainer at", log)
+    assert len(offered) == (4 if transport == "auto" else 0), log  # 2 producers x 2 trainers
 
 
 def test_a_trainer_killed_mid_run_is_reported_and_the_other_keeps_training(spawn):
