@@ -36,6 +36,26 @@ def check_endpoint(field: str, value: str) -> None:
     endpoints.parse(field, value, bind=field.lower().endswith("bind"))
 
 
+def check_endpoints(field: str, value: object) -> tuple[str, ...]:
+    """``value`` (one endpoint, or a sequence of them) as a tuple of endpoints to connect to;
+    ``ConfigError`` naming ``field`` and the first bad one, an empty list or a repeated one."""
+    if isinstance(value, str):
+        if "," in value:
+            raise ConfigError(
+                f"{field} {value!r}: one endpoint per string; give several as a tuple "
+                "(the command line splits STAGEFEED_CONNECT and --connect at commas)"
+            )
+        value = (value,)
+    if not isinstance(value, (tuple, list)) or not value:
+        raise ConfigError(f"{field} must name at least one endpoint, got {value!r:.80}")
+    for endpoint in value:
+        check_endpoint(field, endpoint)
+    repeated = sorted({e for e in value if value.count(e) > 1})
+    if repeated:
+        raise ConfigError(f"{field} names {repeated[0]!r} twice: one channel per trainer")
+    return tuple(value)
+
+
 def _check_transport(value: str) -> None:
     if value not in TRANSPORTS:
         raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
@@ -78,6 +98,12 @@ def check_number(
 class ProducerOptions:
     """One producer process's settings (``stagefeed produce`` starts ``workers`` of them).
 
+    ``connect``: the trainers' endpoints, one per trainer worker (a single string is one
+    endpoint; ``__post_init__`` makes it a tuple). With several, each worker process keeps a
+    channel to every trainer and sends each batch to exactly one of them, the one with the most
+    credit (``producer.fanout``, docs/scaling.md). ``heartbeat_timeout_s``: how long a silent
+    connection lives (ZeroMQ heartbeats); 0 derives it from the batch size
+    (``common.liveness``).
     ``schema``: the batches this producer declares in its hello; ``None`` (no batch flags)
     adopts the trainer's schema from its welcome. ``inflight_mb`` bounds the bytes a producer
     holds: at most ``max_unsent(schema)`` batches (1 to ``MAX_UNSENT``) handed to the channel
@@ -85,7 +111,7 @@ class ProducerOptions:
     source, and the synthetic source's pool, hold ``max_unsent + 1``).
     """
 
-    connect: str = "tcp://127.0.0.1:5555"
+    connect: tuple[str, ...] | str = ("tcp://127.0.0.1:5555",)
     workers: int = 1
     schema: Schema | None = None  # None: the trainer's, learnt from its welcome
     source: str = "synthetic"
@@ -98,9 +124,11 @@ class ProducerOptions:
     # A source's short batch (fewer rows than the batch size): "refuse" (ConfigError, exit 2)
     # or "drop" (logged and counted), like tf.data's drop_remainder. Never padded.
     short_batch: str = "refuse"
+    heartbeat_timeout_s: float = 0.0  # 0: derived from the batch size (common/liveness.py)
 
     def __post_init__(self) -> None:
-        check_endpoint("connect", self.connect)
+        object.__setattr__(self, "connect", check_endpoints("connect", self.connect))
+        check_number("heartbeat_timeout_s", self.heartbeat_timeout_s, zero_ok=True)
         _check_transport(self.transport)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")

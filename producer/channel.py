@@ -29,6 +29,12 @@ Invariants:
   small frame); the slot itself comes back when the trainer's ``release`` arrives.
 - waiting: a method that waits (``open``, ``send``, ``finish``) wakes every ``POLL_S`` and
   raises ``ClosedError`` as soon as ``stop.is_set()``; none ever blocks inside a socket call.
+
+One of several (``producer.fanout``, ``hand_back=True``): the owner drives the channel without
+waiting in it: ``start()``, ``poll()`` (events in, failures out; ``notify`` is set whenever an
+event arrives, so one owner can wait for any of its channels), ``free_credit()`` (credit the
+trainer gave that no handed batch will use), ``take_returned()`` (batches handed back by a
+lost connection, with their ``on_release``), ``resend`` and ``begin_finish``/``drained``.
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
+import msgpack
 import numpy as np
 import zmq
 from stagefeed.common import protocol
@@ -50,12 +58,16 @@ from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.schema import Schema
 from stagefeed.common.shm.slots import SlotPool
 from stagefeed.producer.handoff import (
+    Credit,
     Drained,
     Dropped,
+    EventQueue,
     Failed,
     Finish,
+    Lost,
     Outgoing,
     Released,
+    Returned,
     Sent,
     Shutdown,
     Welcome,
@@ -71,6 +83,7 @@ JOIN_TIMEOUT_S = 5.0
 THREAD_NAME = "stagefeed-channel"
 
 __all__ = ["Drained", "TrainerChannel", "Welcome"]
+OnRelease = Callable[[], None] | None
 
 
 class TrainerChannel:
@@ -79,7 +92,9 @@ class TrainerChannel:
     ``name`` goes in every hello (``protocol.check_producer_name``). ``schema``: the declared
     batches, or ``None`` to adopt the trainer's. ``max_unsent``: batches the channel may hold,
     or a function of the agreed schema giving it. ``configure(socket)`` runs before connect
-    (``common.curve.client_configurator``).
+    (``common.curve.client_configurator``). ``heartbeat_timeout_s``: see ``common.liveness``
+    (0: derived from the batch size). ``hand_back`` and ``notify``: for a fan-out (see the
+    module docstring).
     """
 
     def __init__(
@@ -91,6 +106,9 @@ class TrainerChannel:
         max_unsent: int | Callable[[Schema], int],
         configure: Callable[[zmq.Socket], None] | None = None,
         transport: str = "zmq",
+        heartbeat_timeout_s: float = 0.0,
+        hand_back: bool = False,
+        notify: threading.Event | None = None,
     ) -> None:
         try:
             protocol.check_producer_name(name)
@@ -101,7 +119,7 @@ class TrainerChannel:
         budget = max_unsent if callable(max_unsent) else (lambda _schema: int(max_unsent))
         self._ctx = zmq.Context(io_threads=1)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._events = EventQueue(notify)
         self.lane = ShmLane(transport, endpoint) if transport != "zmq" else None
         if self.lane is not None:
             ignore_sigxfsz()
@@ -119,15 +137,20 @@ class TrainerChannel:
             self._wake_read,
             self._events,
             self.lane,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            hand_back=hand_back,
         )
         self._thread = threading.Thread(target=link.run, name=THREAD_NAME, daemon=True)
         self.welcome: Welcome | None = None
         self._accepted = 0
         self._sent = 0
         self._released = 0
-        self._on_release: dict[int, Callable[[], None] | None] = {}
+        self._on_release: dict[int, OnRelease] = {}
+        self._credit = 0
+        self.lost = 0  # connections to the trainer lost so far
+        self._returned: list[tuple[Outgoing, OnRelease]] = []
         self._refused: collections.Counter[str] = collections.Counter()
-        self._drained: Drained | None = None
+        self.drained: Drained | None = None
         self._failure: BaseException | None = None
         self._started = False
         self._closed = False
@@ -137,21 +160,50 @@ class TrainerChannel:
     def open(self, stop: Any) -> Welcome:
         """Connect and wait for the first welcome; ``SchemaMismatch`` / ``ConfigError`` if the
         trainer refuses this producer, ``BrokenError`` if it refuses the handshake."""
+        self.start()
+        while self.welcome is None:
+            self._wait(stop)
+        return self.welcome
+
+    def start(self) -> None:
+        """Start the channel thread (connect), once; ``open`` waits for the welcome too."""
         if self._closed:
             raise ClosedError("channel closed")
         if not self._started:
             self._started = True
             self._thread.start()
-        while self.welcome is None:
-            self._wait(stop)
-        return self.welcome
+
+    def poll(self) -> None:
+        """Take the events that have come, without waiting; raise the channel's failure, or
+        ``BrokenError`` if its thread ended without one."""
+        self._drain()
+        if self._started and not self._closed and not self._thread.is_alive():
+            self._drain()  # its Failed may have come after the first look
+            raise BrokenError(f"the channel to {self.endpoint} ended unexpectedly")
+
+    def free_credit(self) -> int:
+        """Credit no batch handed over will use (0 while the connection is down)."""
+        return self._credit - (self._accepted - self._sent)
+
+    def take_returned(self) -> list[tuple[Outgoing, OnRelease]]:
+        """Batches a lost connection handed back (``hand_back``), never sent, with their
+        ``on_release``: the caller's again (``resend`` them, here or elsewhere)."""
+        returned, self._returned = self._returned, []
+        return returned
+
+    def resend(self, out: Outgoing, seq: int, stop: Any, on_release: OnRelease) -> None:
+        """Hand over a returned batch again, as batch ``seq`` of this channel."""
+        self._require_open()
+        header = {**msgpack.unpackb(out.frames[0]), "seq": seq}  # our own header's bytes
+        frames = [msgpack.packb(header), *out.frames[1:]]
+        self._hand_over(replace(out, seq=seq, frames=frames, trackers=[]), stop, on_release)
 
     def send(
         self,
         arrays: Mapping[str, np.ndarray],
         seq: int,
         stop: Any,
-        on_release: Callable[[], None] | None = None,
+        on_release: OnRelease = None,
     ) -> None:
         """Hand over batch ``seq``, waiting while ``max_unsent`` batches are held.
 
@@ -168,7 +220,7 @@ class TrainerChannel:
         header = protocol.encode_control("shm_batch", seq=seq, desc=desc)
         self._hand_over(Outgoing(seq, [header], pool=desc["pool"]), stop, None)
 
-    def _hand_over(self, out: Outgoing, stop: Any, on_release: Callable[[], None] | None) -> None:
+    def _hand_over(self, out: Outgoing, stop: Any, on_release: OnRelease) -> None:
         welcome = self._require_open()
         if out.seq in self._on_release:
             raise ValueError(f"batch seq {out.seq} is already held")
@@ -237,11 +289,20 @@ class TrainerChannel:
         Returns how many batches could not be sent (``end`` goes only if none is left).
         Afterwards ``close(linger_s)`` lets ZeroMQ deliver what it holds.
         """
-        self._require_open()
-        self._command(Finish(count, time.monotonic() + timeout_s, reason, detail))
-        while self._drained is None:
+        self.begin_finish(count, time.monotonic() + timeout_s, reason, detail)
+        while self.drained is None:
             self._wait(stop)
-        return self._drained
+        return self.drained
+
+    def begin_finish(self, count: int, deadline: float, reason: str, detail: str) -> None:
+        """``finish`` without waiting: ``drained`` is set once it is done."""
+        self._require_open()
+        self._command(Finish(count, deadline, reason, detail))
+
+    def trainers(self) -> dict[str, dict[str, int]]:
+        """``{endpoint: {"sent": batches given to ZeroMQ, "lost": connections lost}}``."""
+        self._drain(reraise=False)
+        return {self.endpoint: {"sent": self._sent, "lost": self.lost}}
 
     def close(self, linger_s: float = 0.0) -> None:
         """Stop the thread; ``linger_s`` > 0 lets ZeroMQ deliver for up to that long (this
@@ -317,14 +378,21 @@ class TrainerChannel:
             callback = self._on_release.pop(event.seq, None)
             if callback is not None:
                 callback()
+        elif isinstance(event, Credit):
+            self._credit = event.n
         elif isinstance(event, Sent):
             self._sent += 1
+        elif isinstance(event, Returned):
+            self._accepted -= 1
+            self._returned.append((event.out, self._on_release.pop(event.out.seq, None)))
+        elif isinstance(event, Lost):
+            self.lost += 1
         elif isinstance(event, Dropped):
             self._refused[event.reason] += 1
         elif isinstance(event, Welcomed):
             self.welcome = event.welcome
         elif isinstance(event, Drained):
-            self._drained = event
+            self.drained = event
         elif isinstance(event, Failed):
             self._failure = event.error
             if reraise:

@@ -1,14 +1,17 @@
 """What the producer's main loop and its channel thread pass each other, and nothing else.
 
 Commands go to the channel thread (``Outgoing``, ``Finish``, ``Shutdown``) on a queue with a
-wake-up pipe; events come back (``Welcomed``, ``Sent``, ``Released``, ``Dropped``, ``Drained``,
-``Failed``) on another queue. The two threads share no other state: a failure of the channel
-thread travels as a ``Failed`` event and is re-raised in the main loop.
+wake-up pipe; events come back (``Welcomed``, ``Credit``, ``Sent``, ``Released``,
+``Returned``, ``Dropped``, ``Lost``, ``Drained``, ``Failed``) on an ``EventQueue``. The two
+threads share no other state: a failure of the channel thread travels as a ``Failed`` event
+and is re-raised in the main loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 from typing import Any
 
 import zmq
@@ -65,6 +68,27 @@ class Welcomed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Credit:
+    """The trainer's unspent credit is now ``n`` (0 while the connection is down or not yet
+    welcomed): posted on every change, before the ``Sent`` of a batch that spent one."""
+
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    """The connection to the trainer was lost: closed, or silent past the heartbeat timeout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Returned:
+    """A channel made to hand batches back (``producer.fanout``) lost its trainer before
+    giving ``out`` to ZeroMQ: ``out`` was never sent and is the owner's again."""
+
+    out: Outgoing
+
+
+@dataclasses.dataclass(frozen=True)
 class Sent:
     """Batch ``seq`` was handed to ZeroMQ (against one credit)."""
 
@@ -100,3 +124,26 @@ class Failed:
     """The channel thread ended with ``error``; the owner re-raises it."""
 
     error: StagefeedError
+
+
+class EventQueue:
+    """The channel thread's events to its owner; ``put`` also sets ``notify``, if given (an
+    owner of several channels waits for any of them: ``producer.fanout``)."""
+
+    def __init__(self, notify: threading.Event | None) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._notify = notify
+
+    def put(self, event: object) -> None:
+        self._queue.put(event)
+        if self._notify is not None:
+            self._notify.set()
+
+    def get(self, timeout: float) -> object:
+        return self._queue.get(timeout=timeout)
+
+    def get_nowait(self) -> object:
+        return self._queue.get_nowait()
+
+    def empty(self) -> bool:
+        return self._queue.empty()

@@ -21,6 +21,15 @@ welcome's offer to the lane before it writes anything, so a descriptor never pre
 pool it names; a ``shm_batch`` waiting for credit whose pool has since been retired is not
 sent (released at once; the trainer it was for is gone). A descriptor is one frame.
 
+Liveness (``common.liveness``): ZeroMQ heartbeats and TCP keepalive on the socket, so a
+trainer that vanishes without closing its connections (host down, partition) is noticed as a
+lost connection after the heartbeat timeout, like one that closed them.
+
+Hand-back (``hand_back``, for ``producer.fanout``): while the connection is not welcomed (lost,
+or waiting for a welcome again) and no ``Finish`` was given, every ZeroMQ batch in the outbox
+goes back to the owner as ``Returned`` instead of waiting for this trainer, so the owner can
+send it to another one. A descriptor stays: its slot is in this trainer's pool.
+
 Pings: whenever nothing was sent for ``PING_S`` on a welcomed connection, batch waiting or
 not, so a trainer that forgets silent producers (~10 s) never forgets a live one, even while
 the source blocks: this thread does not depend on the main loop to run.
@@ -37,7 +46,7 @@ from collections.abc import Callable
 
 import zmq
 import zmq.utils.monitor
-from stagefeed.common import protocol
+from stagefeed.common import liveness, protocol
 from stagefeed.common.errors import BrokenError, StagefeedError
 from stagefeed.common.schema import Schema
 from stagefeed.producer.handoff import (
@@ -46,10 +55,11 @@ from stagefeed.producer.handoff import (
     Finish,
     Outgoing,
     Released,
+    Returned,
     Sent,
     Shutdown,
 )
-from stagefeed.producer.session import Session
+from stagefeed.producer.session import Session, message_bytes
 from stagefeed.producer.shm_lane import ShmLane
 
 log = logging.getLogger(__name__)
@@ -81,8 +91,13 @@ class Link:
         wake_fd: int,
         events: queue.SimpleQueue,
         lane: ShmLane | None = None,
+        *,
+        heartbeat_timeout_s: float = 0.0,
+        hand_back: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        self._heartbeat_s = heartbeat_timeout_s  # 0: derived from the batch size
+        self._hand_back = hand_back
         self._lane = lane
         self._welcomes_seen = 0
         self._ctx = ctx
@@ -133,6 +148,7 @@ class Link:
         schema = self.session.schema
         batches = self._max_unsent_of(schema) if schema is not None else 0
         sock.setsockopt(zmq.SNDHWM, batches + CONTROL_SLACK)
+        liveness.configure(sock, self._heartbeat_timeout(schema))
         if self._configure is not None:
             self._configure(sock)
         # Connected means handshake done: a TCP connection the trainer then refuses (CURVE key
@@ -143,6 +159,13 @@ class Link:
         sock.connect(self.endpoint)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
+
+    def _heartbeat_timeout(self, schema: Schema | None) -> float:
+        if self._heartbeat_s:
+            return self._heartbeat_s
+        if schema is None:
+            return liveness.UNKNOWN_SIZE_TIMEOUT_S
+        return liveness.heartbeat_timeout_s(message_bytes(schema))
 
     def _close(self) -> None:
         if self._socket is None:
@@ -162,6 +185,7 @@ class Link:
         now = time.monotonic()
         self._read_monitor(now)
         self._read_messages(now)
+        self._return_unsendable()
         self._reap()
         self._write(now)
         self._check_finish(now)
@@ -214,10 +238,24 @@ class Link:
             welcome = self.session.handle(frames, now)
             if welcome is not None:  # the first: now the batch size, hence the bound, is known
                 self._socket.setsockopt(zmq.SNDHWM, welcome.max_unsent + CONTROL_SLACK)
+                liveness.set_timeout(self._socket, self._heartbeat_timeout(welcome.schema))
             if self._lane is not None and self.session.welcomes != self._welcomes_seen:
                 self._welcomes_seen = self.session.welcomes
                 assert self.session.schema is not None
                 self._lane.on_welcome(self.session.shm_offer, self.session.schema)
+
+    def _return_unsendable(self) -> None:
+        """Hand-back mode: ZeroMQ batches go back to the owner while no welcomed connection
+        can take them (see the module docstring)."""
+        if not self._hand_back or self._finish is not None or self.session.welcomed:
+            return
+        kept: collections.deque[Outgoing] = collections.deque()
+        for out in self._outbox:
+            if out.pool is None:
+                self._events.put(Returned(out))
+            else:
+                kept.append(out)
+        self._outbox = kept
 
     def _reap(self) -> None:
         if not self._in_zmq:

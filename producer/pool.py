@@ -52,9 +52,12 @@ class WorkerBook:
     refused it); ``killed`` (it ended without a report: killed, or terminated by ``close()``
     after ``STOP_TIMEOUT_S``). ``sent``: batches it handed over (seq 0..sent-1);
     ``refused``: the trainer's ``dropped`` verdicts, by reason; ``bye``: the reason its
-    ``end`` carried (``ok``, ``source_error``), None if it sent none. The figures are the
-    worker's own report at its end: while it runs (or if it died without one) they are 0,
-    empty and None.
+    ``end`` carried (``ok``, ``source_error``), None if it sent none (with several trainers:
+    unless every trainer that welcomed it got its ``end``). ``trainers``: per trainer endpoint,
+    ``sent`` (batches given to ZeroMQ for it) and ``lost`` (connections to it lost: it went
+    away, or was silent past the heartbeat timeout); ``trainers_lost`` picks the lost ones.
+    The figures are the worker's own report at its end: while it runs (or if it died without
+    one) they are 0, empty and None.
     """
 
     worker: int
@@ -65,16 +68,24 @@ class WorkerBook:
     refused: Mapping[str, int] = dataclasses.field(default_factory=dict)
     bye: str | None = None
     error: str = ""
+    trainers: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def trainers_lost(self) -> dict[str, int]:
+        """``{endpoint: connections lost}`` of every trainer this worker lost at least once."""
+        return {e: t["lost"] for e, t in self.trainers.items() if t.get("lost")}
 
 
 class Producers:
-    """``options.workers`` producer processes that push batches to the trainer at
-    ``options.connect``: ``stagefeed produce`` in Python (the command runs this object).
+    """``options.workers`` producer processes that push batches to the trainers at
+    ``options.connect`` (one, or several: each batch to exactly one, ``producer.fanout``):
+    ``stagefeed produce`` in Python (the command runs this object).
 
     ::
 
-        options = stagefeed.ProducerOptions(connect="tcp://trainer:5555", workers=4,
-                                            source="mypkg.data:batches", max_batches=100)
+        options = stagefeed.ProducerOptions(
+            connect=("tcp://trainer-0:5555", "tcp://trainer-1:5555"), workers=4,
+            source="mypkg.data:batches", max_batches=100)
         with stagefeed.Producers(options) as producers:  # start() ... close()
             producers.wait()  # until every worker ended; raises a worker's error
         print(producers.books())
@@ -198,7 +209,7 @@ class Producers:
             return WorkerBook(index, proc.name, state, code)
         return WorkerBook(
             index, proc.name, report["state"], code, report["sent"], report["refused"],
-            report["bye"], report["error"],
+            report["bye"], report["error"], report["trainers"],
         )  # fmt: skip
 
     def _raise_failures(self) -> None:
@@ -217,7 +228,8 @@ class Producers:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.alive()} of {len(self.processes)} alive"
-        return f"<Producers {self.options.workers} -> {self.options.connect}: {state}>"
+        trainers = ", ".join(self.options.connect)
+        return f"<Producers {self.options.workers} -> {trainers}: {state}>"
 
 
 class _Pool(Protocol):

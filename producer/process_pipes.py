@@ -70,10 +70,13 @@ class WorkerReports:
         refused: Mapping[str, int],
         bye: str | None,
         error: str = "",
+        trainers: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
-        """Worker side: send the report (``error`` cut so the whole fits one atomic write)."""
+        """Worker side: send the report (``error`` cut so the whole fits one atomic write).
+        ``trainers``: per trainer endpoint, ``{"sent": n, "lost": k}``."""
         fields = {"worker": worker, "code": code, "state": state, "sent": sent,
-                  "refused": dict(refused), "bye": bye}  # fmt: skip
+                  "refused": dict(refused), "bye": bye,
+                  "trainers": {e: dict(t) for e, t in (trainers or {}).items()}}  # fmt: skip
         data = json.dumps({**fields, "error": error}).encode()
         while len(data) > MAX_REPORT_BYTES:  # the error cut by a quarter until it fits
             error = error[: len(error) * 3 // 4]
@@ -131,4 +134,10 @@ def _parse(payload: bytes) -> dict[str, Any] | None:
     if not (report.get("bye") is None or isinstance(report["bye"], str)):
         return None
     report["refused"] = {k: v for k, v in report["refused"].items() if isinstance(v, int)}
+    trainers = report.get("trainers")
+    report["trainers"] = {
+        endpoint: {k: v for k, v in figures.items() if isinstance(v, int)}
+        for endpoint, figures in (trainers.items() if isinstance(trainers, dict) else ())
+        if isinstance(figures, dict)
+    }
     return report

@@ -42,7 +42,7 @@ from stagefeed.common.errors import BrokenError, ConfigError, DropReason, Protoc
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.schema import Schema, SchemaMismatch
 from stagefeed.common.throttle import LogThrottle
-from stagefeed.producer.handoff import Dropped, Welcome, Welcomed
+from stagefeed.producer.handoff import Credit, Dropped, Lost, Welcome, Welcomed
 from stagefeed.producer.shm_lane import ShmOffer
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ _REASONS = frozenset(r.value for r in DropReason)
 
 
 class Session:
-    """Conversation state; ``post`` sends ``Welcomed`` and ``Dropped`` events to the owner."""
+    """Conversation state; ``post`` sends ``Welcomed``, ``Credit``, ``Dropped`` and ``Lost``
+    events to the owner."""
 
     def __init__(
         self,
@@ -85,7 +86,20 @@ class Session:
         self._drops: collections.Counter[str] = collections.Counter()
         self._unreachable_since = time.monotonic()
         self._said_unreachable = False
+        self._credit = 0
+        self.lost = 0  # connections to the trainer lost so far
         self._reset(connected=False)
+
+    @property
+    def credit(self) -> int:
+        """Batches the trainer will take now; every change is posted (``Credit``)."""
+        return self._credit
+
+    @credit.setter
+    def credit(self, n: int) -> None:
+        if n != self._credit:
+            self._credit = n
+            self._post(Credit(n))
 
     def _reset(self, connected: bool) -> None:
         self.connected = connected
@@ -107,10 +121,19 @@ class Session:
         self._reset(connected=True)
 
     def disconnected(self, now: float) -> None:
-        if self.connected:
-            log.info("lost the trainer at %s; reconnecting", self.endpoint)
-            self._unreachable_since = now
+        """The connection closed (the trainer went away, or was silent past the heartbeat
+        timeout): credit is 0; a lost connection is logged with the endpoint and posted."""
+        was_connected = self.connected
         self._reset(connected=False)
+        if was_connected:
+            self.lost += 1
+            log.warning(
+                "lost the trainer at %s (connection closed, or silent past the heartbeat "
+                "timeout); reconnecting",
+                self.endpoint,
+            )
+            self._unreachable_since = now
+            self._post(Lost())
 
     def hello(self) -> dict[str, Any]:
         """Fields of the hello to send now: the same ``session`` token on every connection."""

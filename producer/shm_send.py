@@ -9,11 +9,13 @@ using it; until then nothing writes into it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.errors import BrokenError, ConfigError
-from stagefeed.producer.channel import TrainerChannel
 from stagefeed.producer.sources import Feed, SourceFailed
+
+if TYPE_CHECKING:
+    from stagefeed.producer.fanout import Channel
 
 SENT = "sent"  # batch ``seq`` was handed over
 LOST = "lost"  # its pool was retired while it was written (that trainer is gone): seq is free
@@ -21,7 +23,7 @@ END = "end"  # the source's data ended
 NOT_SHARED = "zmq"  # the channel runs over ZeroMQ now (``auto`` fell back): send it that way
 
 
-def send_in_slot(channel: TrainerChannel, feed: Feed, seq: int, stop: Any) -> str:
+def send_in_slot(channel: Channel, feed: Feed, seq: int, stop: Any) -> str:
     """Batch ``seq`` through a slot; one of ``SENT``, ``LOST``, ``END``, ``NOT_SHARED``.
     ``SourceFailed`` if the source failed (the slot is given back)."""
     got = channel.acquire_slot(stop)

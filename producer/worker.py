@@ -32,7 +32,8 @@ from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.producer import shm_send
-from stagefeed.producer.channel import TrainerChannel, Welcome
+from stagefeed.producer.channel import Welcome
+from stagefeed.producer.fanout import Channel, make_channel
 from stagefeed.producer.process_pipes import WorkerReports
 from stagefeed.producer.sources import (
     SourceFactory,
@@ -124,8 +125,9 @@ def worker_main(
         if reports is not None:
             try:
                 reports.report(
-                    index, code, state, outcome.sent, outcome.refused, outcome.bye, error
-                )
+                    index, code, state, outcome.sent, outcome.refused, outcome.bye, error,
+                    outcome.trainers,
+                )  # fmt: skip
             except OSError as exc:  # the pool has gone: nobody to tell
                 log.debug("producer %d: no report: %s", index, exc)
     if code:
@@ -136,11 +138,13 @@ def worker_main(
 class Outcome:
     """What one ``produce`` did, filled in as it goes (for its report to the pool):
     ``sent`` batches handed over (seq 0..sent-1), the trainer's ``refused`` verdicts by
-    reason, and ``bye``: the reason its ``end`` carried, once that went out (None: no end)."""
+    reason, ``bye``: the reason its ``end`` carried, once that went out (None: no end), and
+    ``trainers``: per trainer endpoint, batches given to ZeroMQ for it and connections lost."""
 
     sent: int = 0
     refused: dict[str, int] = dataclasses.field(default_factory=dict)
     bye: str | None = None
+    trainers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 def produce(
@@ -160,14 +164,7 @@ def produce(
         from stagefeed.common.curve import client_configurator
 
         configure = client_configurator(options.curve_keys)
-    channel = TrainerChannel(
-        options.connect,
-        worker.producer_id,
-        options.schema,
-        max_unsent=options.max_unsent,
-        configure=configure,
-        transport=options.transport,
-    )
+    channel = make_channel(options, worker.producer_id, configure)
     name = worker.producer_id
     outcome = outcome if outcome is not None else Outcome()
     failure: ConfigError | BrokenError | None = None
@@ -198,6 +195,7 @@ def produce(
                 channel.in_zeromq(),
             )
         outcome.refused = channel.refused()
+        outcome.trainers = channel.trainers()
         channel.close()
     if failure is not None:
         raise failure
@@ -208,7 +206,7 @@ def _send_all(
     options: ProducerOptions,
     worker: WorkerInfo,
     factory: SourceFactory | None,
-    channel: TrainerChannel,
+    channel: Channel,
     welcome: Welcome,
     stop: Any,
     outcome: Outcome,
@@ -225,7 +223,7 @@ def _send_all(
     log.info(
         "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s",
         worker.producer_id,
-        options.connect,
+        ", ".join(options.connect),
         schema.describe(),
         schema.batch_bytes / MIB,
         max_unsent,
@@ -257,7 +255,7 @@ def _send_all(
 
 
 def _finish(
-    channel: TrainerChannel,
+    channel: Channel,
     name: str,
     count: int,
     stop: Any,
@@ -311,7 +309,7 @@ def _seq_range(count: int) -> str:
     return f"seq 0..{count - 1}" if count else "none"
 
 
-def _refused_text(channel: TrainerChannel) -> str:
+def _refused_text(channel: Channel) -> str:
     """``trainer refused 3 (value_range: 2, spec_mismatch: 1)``, the biggest reason first."""
     counts = channel.refused()
     total = sum(counts.values())

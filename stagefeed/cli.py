@@ -17,14 +17,9 @@ from stagefeed import __version__, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
-from stagefeed.common.options import (
-    ON_NAN,
-    SHORT_BATCH,
-    TRANSPORTS,
-    ProducerOptions,
-    TrainerOptions,
-)
+from stagefeed.common.options import ON_NAN, TRANSPORTS, ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema, image_schema, load_schema
+from stagefeed.producer_flags import add_connect_flags, add_producer_flags, endpoints
 
 log = logging.getLogger("stagefeed")
 
@@ -72,20 +67,6 @@ def _resized(schema: Schema, batch_size: int) -> Schema:
         return schema.with_batch_size(batch_size)
     except ConfigError as exc:
         raise ConfigError(f"--batch-size: {exc}") from None
-
-
-def add_producer_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("producer")
-    envflags.add(g, "--source", default="synthetic", help="'synthetic' or module:function")
-    envflags.add(g, "--inflight-mb", type=float, default=512.0, help="unsent bytes per producer")
-    envflags.add(g, "--rate", type=float, default=0.0, help="batches/s per producer (0: no limit)")
-    envflags.add(g, "--max-batches", type=int, default=0, help="batches per producer (0: no limit)")
-    envflags.add(
-        g, "--short-batch", default="refuse", choices=SHORT_BATCH,
-        help="a source's batch with fewer rows than --batch-size: refuse it (exit 2) or drop "
-        "it (counted and logged; like tf.data's drop_remainder)",
-    )  # fmt: skip
-    envflags.add(g, "--seed", type=int, default=0, help="RNG seed of the synthetic source")
 
 
 def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
@@ -184,9 +165,12 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     envflags.add(p, "--log-level", default="info", choices=LOG_LEVELS, help="what the log shows")
 
 
-def producer_options(args: argparse.Namespace, connect: str, workers: int) -> ProducerOptions:
+def producer_options(
+    args: argparse.Namespace, connect: str | tuple[str, ...], workers: int
+) -> ProducerOptions:
     return ProducerOptions(
         connect=connect,
+        heartbeat_timeout_s=getattr(args, "heartbeat_timeout_s", 0.0),  # produce's flag
         workers=workers,
         schema=schema_from(args, required=False),
         source=args.source,
@@ -277,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("produce", help="start producer processes that push batches to a trainer")
-    envflags.add(p, "--connect", default="tcp://127.0.0.1:5555", help="the trainer's address")
+    add_connect_flags(p)  # --connect (several), --connect-tf-config, heartbeats
     envflags.add(p, "--workers", type=int, default=1, help="producer processes")
     add_schema_flags(p, batch_size=256)
     add_producer_flags(p)
@@ -329,7 +313,8 @@ def _produce(args: argparse.Namespace) -> int:
     try:
         from stagefeed.launcher import produce
 
-        return produce(producer_options(args, args.connect, args.workers), shutdown)
+        connect = endpoints(args)
+        return produce(producer_options(args, connect, args.workers), shutdown)
     finally:
         shutdown.finish()
 

@@ -52,12 +52,9 @@ SCHEMAS = Path(__file__).parent / "schemas"
 IMAGES = {"stagefeed-producer": "Dockerfile.producer", "stagefeed-trainer": "Dockerfile.trainer"}
 TAGS = {"stagefeed-producer": {"local"}, "stagefeed-trainer": {"cpu", "gpu"}}
 
-# Variables the manifests set that the CLI does not read yet, each with what is missing:
-# issue 22's producer side (another change) adds it. test_pending_settings_are_still_pending
-# fails as soon as one is read: then delete its line here, and the checks below cover it.
-PENDING = {
-    "STAGEFEED_CONNECT": "a comma-separated list: one endpoint per trainer worker",
-}
+# Variables the manifests set that the CLI does not read yet, each with what is missing
+# (none now: issue 22's producer side reads STAGEFEED_CONNECT's comma-separated list).
+PENDING: dict[str, str] = {}
 
 
 def renderer_or_skip() -> None:
@@ -265,15 +262,26 @@ def test_every_variable_a_container_sees_is_one_its_command_reads(rendered, over
                 assert "STAGEFEED_CONNECT" not in seen, name
 
 
-def test_pending_settings_are_still_pending():
-    """Fails once the producer CLI takes a list of trainers: then remove the line from
-    PENDING (the checks above then hold those variables to the CLI like the others)."""
-    from stagefeed.common.errors import ConfigError
-    from stagefeed.common.options import ProducerOptions
+def test_the_producers_read_the_comma_separated_connect_of_every_overlay(rendered):
+    """What was PENDING: each producer container's STAGEFEED_CONNECT is the list of trainer
+    workers its command line reads (stagefeed/producer_flags.py)."""
+    import argparse
 
-    assert set(PENDING) == {"STAGEFEED_CONNECT"}
-    with pytest.raises(ConfigError, match="connect"):
-        ProducerOptions(connect="tcp://trainer-0.trainer:5555,tcp://trainer-1.trainer:5555")
+    from stagefeed.producer_flags import endpoints
+
+    assert PENDING == {}
+    for overlay in OVERLAYS:
+        resources = rendered[overlay]
+        for template in k8s.pod_templates(resources).values():
+            for container in k8s.containers(template):
+                env = k8s.environment(container, resources)
+                if container["args"][0] != "produce" or "STAGEFEED_CONNECT" not in env:
+                    continue
+                args = argparse.Namespace(connect=None, connect_tf_config=None)
+                listed = env["STAGEFEED_CONNECT"].split(",")
+                assert endpoints(args, {"STAGEFEED_CONNECT": env["STAGEFEED_CONNECT"]}) == tuple(
+                    listed
+                ), overlay
 
 
 def test_every_variable_the_manifests_set_is_documented():

@@ -59,3 +59,28 @@ def test_the_producer_never_imports_tensorflow():
         "sys.exit('tensorflow' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
+
+
+def test_connect_is_a_tuple_of_endpoints_and_one_string_is_one_endpoint():
+    assert ProducerOptions().connect == ("tcp://127.0.0.1:5555",)
+    assert ProducerOptions(connect="tcp://a:1").connect == ("tcp://a:1",)
+    assert ProducerOptions(connect=["tcp://a:1", "tcp://b:1"]).connect == ("tcp://a:1", "tcp://b:1")
+
+
+@pytest.mark.parametrize(
+    ("connect", "message"),
+    [
+        (("tcp://a:1", "tcp://b"), r"connect 'tcp://b': the port is missing"),
+        (("tcp://a:1", "tcp://a:1"), r"connect names 'tcp://a:1' twice"),
+        ((), r"connect must name at least one endpoint"),
+        ("tcp://a:1,tcp://b:1", r"one endpoint per string; give several as a tuple"),
+    ],
+)
+def test_a_bad_endpoint_in_the_list_is_named(connect, message):
+    with pytest.raises(ConfigError, match=message):
+        ProducerOptions(connect=connect)
+
+
+def test_heartbeat_timeout_is_checked():
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s must be a finite number >= 0"):
+        ProducerOptions(heartbeat_timeout_s=float("nan"))

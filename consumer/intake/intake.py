@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from stagefeed.common import liveness
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.ipc_file import IpcFile
 from stagefeed.common.ledger import Ledger
@@ -104,6 +105,8 @@ class Intake:
         router.setsockopt(zmq.SNDHWM, 64)
         router.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         router.setsockopt(zmq.LINGER, 0)
+        # Heartbeats and keepalive: a producer that vanishes is noticed (common/liveness.py).
+        liveness.configure(router, liveness.heartbeat_timeout_s(self.options.max_message_bytes))
         if self._configure_server is not None:
             self._configure_server(router)
         peers = PeerMonitor(router, self._ledger, self._stop, self._failures.put)
