@@ -4,9 +4,10 @@ The public API is what ``__all__`` lists; every other module is internal. Produc
 this package without TensorFlow: ``Producers`` and ``WorkerBook`` (producer processes, what
 ``stagefeed produce`` runs), the ``--model`` marks ``graph_model`` / ``keras_model`` and the
 trainer-side names (``Feed``, ``ServedFeed``, ``BooksFigures``, ``TrainedStep``, ``Trainer``,
-``KerasTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and ``keep_freed_memory``)
-are loaded on first use (PEP 562); of those only ``Feed``, ``ServedFeed``, ``BooksFigures``,
-``TrainedStep``, ``Trainer``, ``KerasTrainer`` and ``cast_layer`` import TensorFlow.
+``KerasTrainer``, ``ClusterTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and
+``keep_freed_memory``) are loaded on first use (PEP 562); of those only ``Feed``,
+``ServedFeed``, ``BooksFigures``, ``TrainedStep``, ``Trainer``, ``KerasTrainer``,
+``ClusterTrainer`` and ``cast_layer`` import TensorFlow.
 
 Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 ``stagefeed.producer`` (never TensorFlow) and ``stagefeed.consumer`` (TensorFlow) <- the CLI
@@ -42,6 +43,7 @@ __version__ = "0.2.0"
 # Trainer-side names: imported (with TensorFlow) only when first used.
 _LAZY = {
     "BooksFigures": "stagefeed.consumer.tf2.step_books",
+    "ClusterTrainer": "stagefeed.consumer.cluster.trainer",
     "Feed": "stagefeed.consumer.tf2.feed",
     "KerasTrainer": "stagefeed.consumer.keras_fit.trainer",
     "Producers": "stagefeed.producer.pool",  # no TensorFlow
@@ -57,7 +59,8 @@ _LAZY = {
     "WorkerBook": "stagefeed.producer.pool",  # no TensorFlow
 }
 _WITH_TENSORFLOW = {
-    "BooksFigures", "Feed", "KerasTrainer", "ServedFeed", "TrainedStep", "Trainer", "cast_layer",
+    "BooksFigures", "ClusterTrainer", "Feed", "KerasTrainer", "ServedFeed", "TrainedStep",
+    "Trainer", "cast_layer",
 }  # fmt: skip
 
 __all__ = [
@@ -65,6 +68,7 @@ __all__ = [
     "BooksFigures",
     "BrokenError",
     "ClosedError",
+    "ClusterTrainer",
     "ConfigError",
     "DEFAULT_SCHEMA",
     "DropReason",

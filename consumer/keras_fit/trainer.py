@@ -79,6 +79,14 @@ class KerasTrainer(TrainerBase):
 
     def start(self) -> KerasTrainer:
         options, ref = self.options, self.options.model
+        from stagefeed.consumer.cluster.strategy import in_cluster  # no TensorFlow op
+
+        if in_cluster():
+            raise ConfigError(
+                "TF_CONFIG names a cluster and Keras 3's fit cannot train under "
+                "MultiWorkerMirroredStrategy (keras-team/keras#20585): use "
+                "stagefeed.ClusterTrainer (what stagefeed train runs there)"
+            )
         build = self.build
         if build is None:
             kind, build = model_ref.resolve(ref)
