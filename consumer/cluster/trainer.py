@@ -27,20 +27,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stagefeed.common.errors import BrokenError, ConfigError
+from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer import model_ref
-from stagefeed.consumer.checkpoints import Checkpoints
 from stagefeed.consumer.cluster import loop
 from stagefeed.consumer.cluster.collective_stop import vote_for
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
-from stagefeed.consumer.devices import training_device
-from stagefeed.consumer.keras_fit.model_check import check_model
-from stagefeed.consumer.keras_fit.trainer import keras_format
+from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd
-from stagefeed.consumer.tf2.served_feed import ServedFeed
-from stagefeed.consumer.trainer_base import StepObserver, StepRecord, TrainerBase
+from stagefeed.consumer.trainer_base import StepObserver, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +43,10 @@ WATCH_S = 0.1
 JOIN_TIMEOUT_S = 5.0
 
 
-class ClusterTrainer(TrainerBase):
-    """A Keras model trained as one worker of the ``TF_CONFIG`` cluster."""
+class ClusterTrainer(KerasTrainer):
+    """A Keras model trained as one worker of the ``TF_CONFIG`` cluster; what it shares with
+    ``KerasTrainer`` (the model's build and check, the feed, checkpoints, ``close``) it
+    inherits, and it trains with the cluster loop instead of ``fit``."""
 
     def __init__(
         self,
@@ -59,49 +56,18 @@ class ClusterTrainer(TrainerBase):
         build: Callable[[Any], Any] | None = None,
     ) -> None:
         self.cluster: Cluster = make_cluster()  # before any other TensorFlow op
-        super().__init__(
-            options, observers, configure_server, device=training_device(options.device)
-        )
-        self.build = build
-        self.model: Any = None
-        self.feed: ServedFeed | None = None
-        self._dataset: Any = None
-        self.checkpoints: Checkpoints | None = None
+        super().__init__(options, observers, configure_server, build)
         self._wait_s = 0.0
         self._last_end = 0.0
-        self._closed = False
 
     def start(self) -> ClusterTrainer:
-        options, ref = self.options, self.options.model
-        build = self.build
-        if build is None:
-            kind, build = model_ref.resolve(ref)
-            if kind != model_ref.KERAS:
-                raise ConfigError(f"--model {ref!r} is a graph model_fn, not a Keras build")
-        with self.cluster.strategy.scope():
-            model = model_ref.building(ref, build, self.schema)
-        plan = check_model(ref, model, self.schema, options.targets)
-        self.model = model
-        if options.save_dir is not None:
-            self.checkpoints = Checkpoints(options, keras_format(model))
-        self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
-        self._intake = self.feed.intake
-        self.endpoint = self.feed.endpoint
-        self._dataset = self.feed.dataset(
-            plan.mapping(), strategy=self.cluster.strategy, cast="step"
-        )
+        plan = self.build_and_bind(self.cluster.strategy)
         log.info("Keras model %s on %s: x %s, y %s; a distributed step of its compiled loss, "
-                 "optimizer and metrics", model.name, self.cluster, list(plan.inputs),
+                 "optimizer and metrics", self.model.name, self.cluster, list(plan.inputs),
                  list(plan.targets))  # fmt: skip
         return self
 
-    @property
-    def queue_batches(self) -> int:
-        return self.feed.queue.size() if self.feed is not None else 0
-
-    def train(
-        self, stop: threading.Event, health_check: Callable[[], None] | None = None
-    ) -> None:
+    def train(self, stop: threading.Event, health_check: Callable[[], None] | None = None) -> None:
         """Train until the cluster's vote ends the run. Raises this worker's own failure
         (``BrokenError``, a producer's ``ConfigError``, ``NonFiniteLoss``), or ``BrokenError``
         for another worker's failure or a broken cluster."""
@@ -158,19 +124,12 @@ class ClusterTrainer(TrainerBase):
         wait = min(max(total_wait - self._wait_s, 0.0), elapsed)
         self._last_end, self._wait_s = now, total_wait
         self.metrics_last = {k: v for k, v in figures.items() if k != "loss"}
+        self._queued = self.feed.queue.size()
         record = StepRecord(
             step, step > self.options.warmup_steps, wait, elapsed - wait,
-            figures.get("loss", float("nan")), self.queue_batches, now,
+            figures.get("loss", float("nan")), self._queued, now,
         )  # fmt: skip
         self.book_step(record)  # NonFiniteLoss: the loss is all-reduced, the same everywhere
         self.epoch_ended(step)
         if self.checkpoints is not None:
             self.checkpoints.after_step(step)
-
-    def close(self) -> None:
-        """Idempotent: no more credit, the queue closes, the intake's threads are joined."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.feed is not None:
-            self.feed.close()

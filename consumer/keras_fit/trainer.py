@@ -78,7 +78,6 @@ class KerasTrainer(TrainerBase):
         self._closed = False
 
     def start(self) -> KerasTrainer:
-        options, ref = self.options, self.options.model
         from stagefeed.consumer.cluster.strategy import in_cluster  # no TensorFlow op
 
         if in_cluster():
@@ -87,12 +86,27 @@ class KerasTrainer(TrainerBase):
                 "MultiWorkerMirroredStrategy (keras-team/keras#20585): use "
                 "stagefeed.ClusterTrainer (what stagefeed train runs there)"
             )
+        plan = self.build_and_bind()
+        log.info(
+            "Keras model %s: x %s, y %s; fit on %s",
+            self.model.name, list(plan.inputs), list(plan.targets), self.device,
+        )  # fmt: skip
+        return self
+
+    def build_and_bind(self, strategy: Any = None) -> Any:
+        """Build and check the model (under ``strategy``'s scope, if given), then bind the
+        ``ServedFeed`` and make its dataset (distributed by ``strategy``); the model plan."""
+        options, ref = self.options, self.options.model
         build = self.build
         if build is None:
             kind, build = model_ref.resolve(ref)
             if kind != model_ref.KERAS:
                 raise ConfigError(f"--model {ref!r} is a graph model_fn, not a Keras build")
-        model = model_ref.building(ref, build, self.schema)
+        if strategy is None:
+            model = model_ref.building(ref, build, self.schema)
+        else:
+            with strategy.scope():
+                model = model_ref.building(ref, build, self.schema)
         plan = check_model(ref, model, self.schema, options.targets)
         self.model = model
         if options.save_dir is not None:
@@ -100,13 +114,8 @@ class KerasTrainer(TrainerBase):
         self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
-        assert self.feed.queue.device == self.device
-        self._dataset = self.feed.dataset(plan.mapping(), cast="step")
-        log.info(
-            "Keras model %s: x %s, y %s; fit on %s",
-            model.name, list(plan.inputs), list(plan.targets), self.device,
-        )  # fmt: skip
-        return self
+        self._dataset = self.feed.dataset(plan.mapping(), strategy=strategy, cast="step")
+        return plan
 
     @property
     def queue_batches(self) -> int:

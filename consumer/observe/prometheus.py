@@ -24,7 +24,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from http.server import HTTPServer
 from socketserver import TCPServer
 from typing import Any
@@ -47,6 +47,14 @@ CLIENT_TIMEOUT_S = 10.0
 MAX_CLIENTS = 8
 JOIN_TIMEOUT_S = 1.0
 PREFIX = "stagefeed_"
+
+
+def labelled(name: str, doc: str, label: str, counts: Mapping[str, int]) -> Metric:
+    """One counter family, a series per ``label`` value of ``counts``, in sorted order."""
+    family = CounterMetricFamily(PREFIX + name, doc, labels=[label])
+    for value, n in sorted(counts.items()):
+        family.add_metric([value], n)
+    return family
 
 
 class StagefeedCollector:
@@ -113,37 +121,26 @@ class StagefeedCollector:
             )
 
         yield from self._per_producer(snap)
-        dropped = CounterMetricFamily(
-            PREFIX + "dropped_messages", "Messages dropped, by reason", labels=["reason"]
-        )
-        for reason, n in sorted(books.dropped.items()):
-            dropped.add_metric([reason], n)
-        yield dropped
-        connections = CounterMetricFamily(
-            PREFIX + "connection_events",
+        yield labelled("dropped_messages", "Messages dropped, by reason", "reason", books.dropped)
+        yield labelled(
+            "connection_events",
             "Events of the bound socket: accepted, disconnected (oversize cuts included), "
             "handshake failures by kind",
-            labels=["event"],
+            "event",
+            books.peer_events,
         )
-        for event, n in sorted(books.peer_events.items()):
-            connections.add_metric([event], n)
-        yield connections
-        refused = CounterMetricFamily(
-            PREFIX + "refused_hellos",
+        yield labelled(
+            "refused_hellos",
             "Producers refused at hello (schema mismatch, connection limit), by reason",
-            labels=["reason"],
+            "reason",
+            books.refused,
         )
-        for reason, n in sorted(books.refused.items()):
-            refused.add_metric([reason], n)
-        yield refused
-        ended = CounterMetricFamily(
-            PREFIX + "producers_ended",
+        yield labelled(
+            "producers_ended",
             "Producer connections that said end (their bye), by reason: ok, source_error, other",
-            labels=["reason"],
+            "reason",
+            books.ended,
         )
-        for reason, n in sorted(books.ended.items()):
-            ended.add_metric([reason], n)
-        yield ended
 
     def _per_producer(self, snap: Snapshot) -> Iterator[Metric]:
         """Per producer id with ``producer_labels``, else one series each, summed."""
