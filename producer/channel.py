@@ -56,6 +56,7 @@ from stagefeed.producer.handoff import (
     Finish,
     Outgoing,
     Released,
+    Repositioned,
     Sent,
     Shutdown,
     Welcome,
@@ -91,6 +92,7 @@ class TrainerChannel:
         max_unsent: int | Callable[[Schema], int],
         configure: Callable[[zmq.Socket], None] | None = None,
         transport: str = "zmq",
+        hello_fields: dict[str, Any] | None = None,
     ) -> None:
         try:
             protocol.check_producer_name(name)
@@ -119,9 +121,12 @@ class TrainerChannel:
             self._wake_read,
             self._events,
             self.lane,
+            hello_fields,
         )
         self._thread = threading.Thread(target=link.run, name=THREAD_NAME, daemon=True)
         self.welcome: Welcome | None = None
+        # The latest ``Repositioned`` since ``open``: a later welcome moved this shard.
+        self.repositioned: tuple[int, list[list[int]]] | None = None
         self._accepted = 0
         self._sent = 0
         self._released = 0
@@ -323,6 +328,8 @@ class TrainerChannel:
             self._refused[event.reason] += 1
         elif isinstance(event, Welcomed):
             self.welcome = event.welcome
+        elif isinstance(event, Repositioned):
+            self.repositioned = event.resume
         elif isinstance(event, Drained):
             self._drained = event
         elif isinstance(event, Failed):

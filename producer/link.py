@@ -34,6 +34,7 @@ import os
 import queue
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.utils.monitor
@@ -81,6 +82,7 @@ class Link:
         wake_fd: int,
         events: queue.SimpleQueue,
         lane: ShmLane | None = None,
+        hello_fields: dict[str, Any] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._lane = lane
@@ -94,6 +96,7 @@ class Link:
         self.session = Session(
             endpoint, name, schema, max_unsent_of, events.put,
             shm=lane is not None, on_release=lane.release if lane is not None else None,
+            hello_fields=hello_fields,
         )  # fmt: skip
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
