@@ -128,6 +128,12 @@ class Ledger:
         log.info("producer %s connected (index %d)", key, index)
         return index
 
+    def shard_of(self, index: int) -> int | None:
+        """The shard entry ``index`` carries (None: none, or no positions booked)."""
+        with self._lock:
+            stats = self._entries.get(index)
+            return None if stats is None else stats.shard
+
     def name(self, index: int) -> str:
         """The books' name of entry ``index`` (its row in ``summary()``); KeyError if none."""
         with self._lock:

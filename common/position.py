@@ -11,10 +11,15 @@ low-water mark), plus ``above``, the few trained batches past it (several enqueu
 the queue's credit window let batches be trained out of order). It holds what was trained,
 never a guess: the train loop adds a batch once its step has run.
 
+``end`` is where the shard's stream ends, once its producer said so (``end {seq}``), else
+null: a fact about the stream, kept so that a resumed trainer knows a shard is complete even
+when its producer is gone.
+
 ``InputPosition`` is that for every shard, in the checkpoint's state file (``"input"``)::
 
     {"version": 1, "shards": 2, "approximate": [1],
-     "streams": {"0": {"next": 57, "above": [59]}, "1": {"next": 60, "above": []}}}
+     "streams": {"0": {"next": 57, "above": [59], "end": null},
+                 "1": {"next": 96, "above": [], "end": 96}}}
 
 ``approximate`` lists the shards whose source could not seek (the producer fast-forwarded
 it): their position is exact only if that source replays the same batches.
@@ -42,6 +47,7 @@ class StreamPosition:
 
     next: int = 0
     above: set[int] = dataclasses.field(default_factory=set)
+    end: int | None = None  # the stream's length, once its producer said ``end``
 
     def __contains__(self, seq: int) -> bool:
         return seq < self.next or seq in self.above
@@ -56,7 +62,8 @@ class StreamPosition:
 
     def union(self, other: StreamPosition) -> StreamPosition:
         """Batches trained in either (every batch below the larger ``next`` is in one)."""
-        out = StreamPosition(max(self.next, other.next), set())
+        ends = [e for e in (self.end, other.end) if e is not None]
+        out = StreamPosition(max(self.next, other.next), set(), max(ends) if ends else None)
         for seq in sorted(self.above | other.above):
             if seq >= out.next:
                 out.add(seq)
@@ -75,18 +82,20 @@ class StreamPosition:
         return runs
 
     def to_dict(self) -> dict[str, Any]:
-        return {"next": self.next, "above": sorted(self.above)}
+        return {"next": self.next, "above": sorted(self.above), "end": self.end}
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> StreamPosition:
-        if not isinstance(data, Mapping) or set(data) != {"next", "above"}:
-            raise ConfigError(f"{where}: expected {{next, above}}, got {str(data)[:80]}")
-        nxt, above = data["next"], data["above"]
+        if not isinstance(data, Mapping) or set(data) != {"next", "above", "end"}:
+            raise ConfigError(f"{where}: expected {{next, above, end}}, got {str(data)[:80]}")
+        nxt, above, end = data["next"], data["above"], data["end"]
         if not _count(nxt) or not isinstance(above, list) or not all(_count(s) for s in above):
             raise ConfigError(f"{where}: next and above must be counts, got {str(data)[:80]}")
         if any(s <= nxt for s in above):
             raise ConfigError(f"{where}: every 'above' must be past next={nxt}")
-        return cls(nxt, set(above))
+        if end is not None and not _count(end):
+            raise ConfigError(f"{where}: end must be a count or null, got {end!r}")
+        return cls(nxt, set(above), end)
 
 
 def skip_of(ranges: Iterable[Iterable[int]]) -> Iterator[int]:

@@ -14,6 +14,11 @@ the position holds exactly the batches whose effect is in that model.
   re-send (a producer that rewinds, a second connection of the same shard).
 - ``welcome(shard)``: where a shard's producer starts: the first batch neither trained nor in
   flight, and the ranges above it to skip.
+- ``ended(shard, n)`` books where a shard's stream ends; ``complete()`` says whether every
+  shard's stream is known to end and all of it is trained or in flight. The intake's end of
+  data waits for it: a producer that ended with the batches a killed trainer lost still
+  missing is moved back by its next welcome (it rewinds), and a shard whose producer is gone
+  is waited for (and logged), never skipped in silence.
 
 Thread-safe (its own lock; the ``Ledger`` calls it under its lock, never the reverse).
 """
@@ -80,6 +85,23 @@ class ShardBooks:
             self._in_flight.get(shard, set()).discard(seq)
             self._position.of(shard).add(seq)
 
+    def ended(self, shard: int, end: int) -> None:
+        """Shard ``shard``'s producer said its stream ends at ``end`` (``end {seq}``)."""
+        with self._lock:
+            self._position.of(shard).end = end
+
+    def missing(self) -> dict[int, int]:
+        """Shards not complete: their first batch neither trained nor in flight (known
+        shards only; {} while no shard is known)."""
+        with self._lock:
+            out = {}
+            for shard in range(self._position.shards):
+                stream = self._position.of(shard)
+                start = self._accepted(shard).next
+                if stream.end is None or start < stream.end:
+                    out[shard] = start
+            return out
+
     def lost(self, shard: int, seq: int) -> None:
         """Batch ``seq`` left the feed untrained (abandoned): it may come again."""
         with self._lock:
@@ -88,17 +110,22 @@ class ShardBooks:
     def welcome(self, shard: int) -> tuple[int, list[list[int]]]:
         """``(start, skip)`` for a producer of ``shard`` (trained or in flight is skipped)."""
         with self._lock:
-            accepted = StreamPosition(self._position.of(shard).next,
-                                      set(self._position.of(shard).above))  # fmt: skip
-            for seq in self._in_flight.get(shard, ()):
-                accepted.add(seq)
+            accepted = self._accepted(shard)
             return accepted.next, accepted.ranges()
+
+    def _accepted(self, shard: int) -> StreamPosition:
+        """Trained or in flight (lock held)."""
+        stream = self._position.of(shard)
+        accepted = StreamPosition(stream.next, set(stream.above))
+        for seq in self._in_flight.get(shard, ()):
+            accepted.add(seq)
+        return accepted
 
     def position(self) -> InputPosition:
         """A copy of what was trained, for the checkpoint's state file."""
         with self._lock:
             out = InputPosition(self._position.shards, approximate=set(self._position.approximate))
             for shard, stream in self._position.streams.items():
-                out.streams[shard] = StreamPosition(stream.next, set(stream.above))
+                out.streams[shard] = StreamPosition(stream.next, set(stream.above), stream.end)
             return out
 

@@ -218,6 +218,10 @@ def _produce_once(
         try:
             outcome.bye = _finish(channel, name, outcome, stop, failure)
             finished = True
+            if failure is None and channel.repositioned is not None:
+                # A trainer that came back while we finished: what it lost is sent again.
+                rewound = True
+                raise _Rewind()
         except ClosedError:
             if failure is None:
                 raise  # a stop while delivering the tail of a failed source: its error stands

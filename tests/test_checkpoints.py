@@ -88,7 +88,7 @@ def test_the_position_is_read_after_the_model_was_saved_and_is_what_it_said_then
     assert model.events == ["save", "position"]
     with open(tmp_path / "checkpoints" / "state-000002.json") as f:
         state = json.load(f)
-    assert state["input"]["streams"] == {"0": {"next": 6, "above": [8]}}
+    assert state["input"]["streams"] == {"0": {"next": 6, "above": [8], "end": None}}
     assert InputPosition.from_dict(state["input"], "test").streams[0].next == 6
 
 

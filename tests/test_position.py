@@ -37,8 +37,12 @@ def test_the_union_of_two_workers_books_is_a_shard_by_shard_merge():
     [
         {"version": 2, "shards": 1, "approximate": [], "streams": {}},
         {"version": 1, "shards": 0, "approximate": [], "streams": {}},
-        {"version": 1, "shards": 1, "approximate": [], "streams": {"1": {"next": 0, "above": []}}},
-        {"version": 1, "shards": 1, "approximate": [], "streams": {"0": {"next": 3, "above": [2]}}},
+        {"version": 1, "shards": 1, "approximate": [],
+         "streams": {"1": {"next": 0, "above": [], "end": None}}},
+        {"version": 1, "shards": 1, "approximate": [],
+         "streams": {"0": {"next": 3, "above": [2], "end": None}}},
+        {"version": 1, "shards": 1, "approximate": [],
+         "streams": {"0": {"next": 3, "above": [], "end": -1}}},
     ],
 )
 def test_a_malformed_position_is_a_config_error_naming_where(bad):
@@ -60,6 +64,16 @@ def test_the_ledger_books_trained_batches_and_refuses_them_again():
     ledger.abandoned([first], [3])  # taken off the queue untrained: it may come again
     assert ledger.shards.welcome(0) == (3, [[4, 4]])
     assert ledger.accept(second, 5, 10) is None
+
+
+def test_the_data_ends_only_once_every_shards_stream_is_all_trained_or_in_flight():
+    books = ShardBooks(InputPosition(2, {0: StreamPosition(4, end=4)}))
+    assert books.missing() == {1: 0}  # shard 1 never said where its stream ends
+    books.ended(1, 3)
+    assert books.admit(1, 0) is None and books.admit(1, 2) is None
+    assert books.missing() == {1: 1}  # batch 1 was lost with a killed trainer: not here yet
+    assert books.admit(1, 1) is None
+    assert books.missing() == {}
 
 
 def test_a_hello_with_another_shard_count_is_refused_naming_both():

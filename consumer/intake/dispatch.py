@@ -96,6 +96,9 @@ class Dispatch:
             self._on_batch(router, conn, header, lambda: self._shm_batch(conn, header))
         elif kind == "end":  # the producer's bye, and why (protocol.end_reason)
             self._ledger.ended(conn.index, header["seq"], *protocol.end_reason(header))
+            shard = self._ledger.shard_of(conn.index)
+            if shard is not None and self._ledger.shards is not None:
+                self._ledger.shards.ended(shard, header["seq"])
             self.conns.end(conn)
             if self.shm is not None:
                 self.shm.ended(conn.routing_id)
@@ -236,6 +239,13 @@ class Dispatch:
             and all(c.ended for c in live)
             and self.conns.available == self.credit_pool
         )
+        books = self._ledger.shards
+        if ended and books is not None and (missing := books.missing()):
+            ended = False  # a shard's stream is not all here: its producer rewinds, or is gone
+            if self._internal_log.due("shards-missing"):
+                log.warning("every producer said end, but shards %s are not complete (first "
+                            "batch missing: %s): waiting for their producers (restart them if "
+                            "they are gone)", sorted(missing), missing)  # fmt: skip
         if ended:
             self._data_ended.set()
         else:
