@@ -90,6 +90,8 @@ class DropReason(enum.StrEnum):
     SHM_POOL_SIZE = "shm_pool_size"  # pool fd size differs from the announced layout
     SHM_FD = "shm_fd"  # fd message: no fd, more than one, truncated or from a refused peer
     SHM_TOKEN = "shm_token"  # pool offered without the token of a live connection's welcome
+    ALREADY_TRAINED = "already_trained"  # a shard's batch the resumed model has trained
+    SHARD = "shard"  # a hello's shard does not fit the run's shards (resume)
 
 
 class ProtocolError(StagefeedError):

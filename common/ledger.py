@@ -20,14 +20,17 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
+from stagefeed.common.books import Books, ProducerTotals, Totals
 from stagefeed.common.errors import DropReason
 from stagefeed.common.options import MIB
 from stagefeed.common.sequence import SequenceTracker
+from stagefeed.common.shard_books import ShardBooks
 from stagefeed.common.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
+__all__ = ["Books", "Ledger", "ProducerStats", "ProducerTotals", "Totals"]
 
 # Drops from connections without books (no hello, or a malformed message before one).
 UNIDENTIFIED = "<unidentified>"
@@ -50,6 +53,7 @@ class ProducerStats:
     first_seen: float
     key: str = ""  # in the summary and the metrics: fixed at open, unique among open entries
     session: str | None = None  # the producer run's secret token: links its connections
+    shard: int | None = None  # the stream it says it carries (resume; common.shard_books)
     last_seen: float = 0.0
     received: int = 0
     received_bytes: int = 0
@@ -75,52 +79,6 @@ class ProducerStats:
         return self.received - self.enqueued
 
 
-@dataclasses.dataclass(frozen=True)
-class Totals:
-    """Counters summed over every connection (``dropped`` includes drops without one)."""
-
-    received: int = 0
-    received_bytes: int = 0
-    enqueued: int = 0
-    trained: int = 0
-    dropped: int = 0
-    seq_missing: int = 0  # sequence numbers never received, the holes between connections too
-    abandoned: int = 0
-    queued: int = 0  # the entries' ``queued``, summed
-    not_enqueued: int = 0  # the entries' ``not_enqueued``, summed
-
-
-@dataclasses.dataclass(frozen=True)
-class ProducerTotals:
-    """What one connection delivered and had trained, and its sequence holes."""
-
-    received: int
-    trained: int
-    seq_missing: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Books:
-    """Every counter an observer reads, taken under one lock (so consistent with each other).
-
-    ``producers`` is keyed like ``Ledger.summary()`` (each entry's key: its label, or
-    ``label#index`` when an entry open before held that label) and has no ``<unidentified>``
-    entry: drops without a connection are in ``dropped`` and ``totals.dropped`` only.
-    """
-
-    totals: Totals = Totals()
-    producers: Mapping[str, ProducerTotals] = dataclasses.field(default_factory=dict)
-    dropped: Mapping[str, int] = dataclasses.field(default_factory=dict)  # by reason
-    peer_events: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    refused: Mapping[str, int] = dataclasses.field(default_factory=dict)  # hellos, by reason
-    ended: Mapping[str, int] = dataclasses.field(default_factory=dict)  # producers' ends, by reason
-
-    @property
-    def delivering(self) -> int:
-        """Connections that delivered a valid batch (a hello alone does not count)."""
-        return sum(p.received > 0 for p in self.producers.values())
-
-
 class Ledger:
     """Thread-safe accounting shared by the intake, the enqueue threads and the train loop.
 
@@ -132,8 +90,10 @@ class Ledger:
     Drops are counted apart (by reason), under the entry when the connection has one.
     """
 
-    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(self, max_entries: int = MAX_ENTRIES, shards: ShardBooks | None = None) -> None:
         self._lock = threading.Lock()
+        # Per-shard positions, with ``--save`` (resume): None books no position.
+        self.shards = shards
         self._max_entries = max_entries
         self._entries: dict[int, ProducerStats] = {}
         self._next_index = 0
@@ -144,10 +104,13 @@ class Ledger:
         self._ended: collections.Counter[str] = collections.Counter()  # connections, by reason
         self._left: collections.deque[dict] = collections.deque(maxlen=MAX_LEFT)
 
-    def open(self, label: str, session: str | None = None) -> int | None:
+    def open(
+        self, label: str, session: str | None = None, shard: int | None = None
+    ) -> int | None:
         """A new entry for a connection that said hello; None when the books are full.
 
-        ``session``: the secret token of the producer run (None: linked to nothing)."""
+        ``session``: the secret token of the producer run (None: linked to nothing);
+        ``shard``: the stream it carries, admitted by ``shards.join`` (None: no position)."""
         with self._lock:
             if len(self._entries) >= self._max_entries:
                 self._unidentified[DropReason.PEER_LIMIT.value] += 1
@@ -159,10 +122,17 @@ class Ledger:
             while key in taken:  # a label may itself end in "#N"
                 key += f"#{index}"
             self._entries[index] = ProducerStats(
-                label, index, first_seen=time.monotonic(), key=key, session=session
-            )
+                label, index, first_seen=time.monotonic(), key=key, session=session,
+                shard=shard if self.shards is not None else None,
+            )  # fmt: skip
         log.info("producer %s connected (index %d)", key, index)
         return index
+
+    def shard_of(self, index: int) -> int | None:
+        """The shard entry ``index`` carries (None: none, or no positions booked)."""
+        with self._lock:
+            stats = self._entries.get(index)
+            return None if stats is None else stats.shard
 
     def name(self, index: int) -> str:
         """The books' name of entry ``index`` (its row in ``summary()``); KeyError if none."""
@@ -185,8 +155,11 @@ class Ledger:
             stats = self._entries[index]
             lowest, highest = stats.sequence.lowest, stats.sequence.highest
             # One connection delivers in order: nothing comes before its first number.
+            shard = stats.shard
             if lowest is not None and (seq > highest + MAX_SEQ_AHEAD or seq < lowest):
                 reason = DropReason.SEQ_RANGE
+            elif shard is not None and (refused := self.shards.admit(shard, seq)) is not None:
+                reason = refused  # trained before (resume), or in flight from elsewhere
             elif stats.sequence.record(seq):
                 stats.received += 1
                 stats.received_bytes += nbytes
@@ -194,6 +167,8 @@ class Ledger:
                 return None
             else:
                 reason = DropReason.DUPLICATE
+                if shard is not None:
+                    self.shards.lost(shard, seq)  # admitted above: not in flight after all
             stats.drops[reason.value] += 1
         self._log_drop(reason, f"producer {stats.key} seq {seq}")
         return reason
@@ -256,6 +231,8 @@ class Ledger:
                 stats = self._entries[int(index)]
                 stats.trained += 1
                 stats.trained_sequence.record(int(seq))
+                if stats.shard is not None:
+                    self.shards.trained(stats.shard, int(seq))
 
     def peer_event(self, name: str) -> None:
         """Book a connection event of the bound socket (named by ``intake.socket_events``)."""
@@ -299,8 +276,11 @@ class Ledger:
     def abandoned(self, indices: Iterable[int], seqs: Iterable[int]) -> None:
         """Book batches taken off the queue and never trained (a dropped dataset iterator)."""
         with self._lock:
-            for index, _ in zip(indices, seqs, strict=True):
-                self._entries[int(index)].abandoned += 1
+            for index, seq in zip(indices, seqs, strict=True):
+                stats = self._entries[int(index)]
+                stats.abandoned += 1
+                if stats.shard is not None:
+                    self.shards.lost(stats.shard, int(seq))
 
     def totals(self) -> Totals:
         """The aggregate counters."""

@@ -192,6 +192,9 @@ class TrainerOptions:
     steps_per_epoch: int = 0
     save_dir: str | None = None  # what was trained is saved here at the end (docs/tf2.md)
     checkpoint_every: int = 0  # steps between checkpoints under save_dir/checkpoints; 0: none
+    # A save_dir holding a run: resume from its newest checkpoint (False), or move it aside
+    # and start over (True). docs/resume.md.
+    fresh: bool = False
     on_nan: str = "stop"  # a non-finite loss: "stop" (NonFiniteLoss) or "warn" and go on
     # A run whose data ends before ``total_steps`` exits EXIT_SHORT_RUN (5), not 0.
     require_full_run: bool = False
@@ -239,8 +242,9 @@ class TrainerOptions:
         ):
             raise ConfigError(f"model must be 'alexnet' or module:NAME, got {self.model!r}")
         self._check_run_length()
-        if type(self.require_full_run) is not bool:
-            raise ConfigError(f"require_full_run must be a bool, got {self.require_full_run!r}")
+        for name in ("require_full_run", "fresh"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.on_nan not in ON_NAN:
             raise ConfigError(f"on_nan must be one of {', '.join(ON_NAN)}, got {self.on_nan!r}")
         if self.save_dir is not None and (not isinstance(self.save_dir, str) or not self.save_dir):

@@ -8,6 +8,10 @@ producer:
   producer can hand batches over in shared memory (docs/shm.md); ``session`` is 32 hex digits
   the producer drew once for its run, the same in every hello on every connection, and kept
   secret: the trainer links the books of connections by it alone, never by ``name``.
+  ``shard``, ``shards``, ``seek`` (together): this producer is shard ``shard`` of ``shards``
+  (a stream identity that survives restarts, docs/resume.md) and numbers its batches along
+  that shard's whole stream; ``seek``: its source can start at any batch (else the producer
+  fast-forwards it, and the trainer calls that shard's position approximate).
 - ``batch``  ``{"seq": int, "arrays": [[name, dtype.str, shape], ...]}``, then one raw frame
   per array, C order, in the header's order. Sent only against credit (see below).
 - ``shm_batch`` ``{"seq": int, "desc": {"pool", "slot", "gen", "seq"}}``: a batch committed in
@@ -31,6 +35,10 @@ From the trainer:
   "shm_token": str, "shm_slots": int]}``: hello accepted. The three ``shm_*`` fields come
   together, only to a hello that said ``shm`` and only from a trainer that maps pools: where
   to offer the pool, the token that ties the offer to this connection, its slot count.
+  ``start``, ``skip`` (together, only to a hello that named its shard, only from a trainer
+  that books positions: ``--save``): the shard's first batch to send and ``[first, last]``
+  ranges above it not to send (trained, or in flight), at most ``MAX_RANGES`` of them
+  (``resume_of_welcome`` checks them).
 - ``refused`` ``{"reason": str, "detail": str}``: hello refused (schema mismatch, limits).
 - ``credit``  ``{"n": int}``: the producer may send ``n`` more batches.
 - ``dropped`` ``{"seq": int, "reason": str, "detail": str}``: a batch was refused, and why.
@@ -57,6 +65,7 @@ import msgpack
 import numpy as np
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
+from stagefeed.common.position import MAX_RANGES, MAX_SHARDS
 from stagefeed.common.schema import (
     ALLOWED_DTYPES,
     MAX_ARRAYS,
@@ -95,9 +104,11 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 # Optional keys of a kind, in groups: each group all or none (v2 stays strict: nothing else
 # is accepted).
 _OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
-    "hello": ({"shm": (bool,)}, {"session": (str,)}),
+    "hello": ({"shm": (bool,)}, {"session": (str,)},
+              {"shard": (int,), "shards": (int,), "seek": (bool,)}),
     "end": ({"reason": (str,), "detail": (str,)},),
-    "welcome": ({"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},),
+    "welcome": ({"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},
+                {"start": (int,), "skip": (list,)}),
 }
 SESSION = re.compile(r"[0-9a-f]{32}")
 _INT_RANGE = {
@@ -108,6 +119,9 @@ _INT_RANGE = {
     "slot": (0, 4096),
     "gen": (1, 2**64),
     "shm_slots": (1, 4097),
+    "shard": (0, MAX_SHARDS),
+    "shards": (1, MAX_SHARDS + 1),
+    "start": (0, 2**63),
 }
 
 
@@ -291,6 +305,36 @@ def end_reason(header: Mapping[str, Any]) -> tuple[str, str]:
     not in ``END_REASONS``; the detail sanitised (``one_line``)."""
     reason = header.get("reason", END_OK)
     return (reason if reason in END_REASONS else END_OTHER), one_line(header.get("detail", ""))
+
+
+def shard_of_hello(header: Mapping[str, Any]) -> tuple[int, int, bool] | None:
+    """``(shard, shards, seek)`` of a hello that named its shard, else None."""
+    if "shard" not in header:
+        return None
+    return header["shard"], header["shards"], header["seek"]
+
+
+def resume_of_welcome(header: Mapping[str, Any]) -> tuple[int, list[list[int]]] | None:
+    """``(start, skip)`` of a welcome that carries them (None: no position); ``ProtocolError``
+    if ``skip`` is not at most ``MAX_RANGES`` ascending ``[first, last]`` ranges past
+    ``start``."""
+    if "start" not in header:
+        return None
+    start, skip = header["start"], header["skip"]
+    last = start
+    ok = len(skip) <= MAX_RANGES
+    for run in skip if ok else ():
+        ok = (
+            isinstance(run, list) and len(run) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in run)
+            and last < run[0] <= run[1] < 2**63
+        )  # fmt: skip
+        if not ok:
+            break
+        last = run[1]
+    if not ok:
+        raise ProtocolError(DropReason.HEADER_FIELDS, f"welcome.skip: {excerpt(skip)}", "welcome")
+    return start, skip
 
 
 def check_producer_name(name: str) -> str:

@@ -10,17 +10,22 @@ in graph mode, ``.keras`` files for Keras)::
 
 A checkpoint is its state file and the model files it names: the state file is written last,
 atomically (a temporary file renamed over it), so a checkpoint is complete or has no state
-file, whatever kills the writer. The state holds the step, the epoch and the run's settings;
-``input`` is where the input position will go (resume, ``docs/resume.md`` once it exists).
+file, whatever kills the writer. The state holds the step, the epoch, the run's settings,
+``model_path`` (what to restore, beside the state file), ``finished`` (why the run ended, in
+the final state of a run that is done; false otherwise) and ``input``: the input position,
+read *after* the model was saved, on the train loop's thread, so it holds exactly the batches
+whose effect is in that model (``common.position``; docs/resume.md).
+
+Test hook: ``STAGEFEED_TEST_STATE_DELAY_S`` (seconds, default 0) sleeps between the model and
+its state file, so a test can kill the writer there; not for production use.
 
 Who writes: the chief (``is_chief``, from ``common.tf_config``: TF_CONFIG's rules). Another
 worker of a cluster saves its model to a temporary directory that is removed at once
 (TensorFlow's multi-worker pattern: saving may need every worker's part in a collective), and
 writes no state.
 
-A directory that already holds a run's model or checkpoints is refused at start
-(``check_save_dir``, before TensorFlow loads): until a run can resume from them, nothing
-overwrites another run's checkpoints without saying so.
+A directory that already holds a run is resumed from its newest complete checkpoint, or
+refused, or (``--fresh``) moved aside: ``consumer.resume``; the chief decides at start.
 
 No TensorFlow here: the trainers hand in how to save their model (``ModelFormat``).
 """
@@ -37,50 +42,58 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.position import InputPosition
 from stagefeed.common.tf_config import is_chief
+from stagefeed.consumer import resume
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
-STATE = "state.json"
+CHECKPOINTS = resume.CHECKPOINTS
+STATE = resume.STATE
+TEST_STATE_DELAY = "STAGEFEED_TEST_STATE_DELAY_S"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelFormat:
     """How a trainer saves its model. ``save(path)`` writes the model at ``path`` (a file, or
-    a Saver's prefix) and returns the files it wrote, relative to ``path``'s directory."""
+    a Saver's prefix) and returns the files it wrote, relative to ``path``'s directory;
+    ``restore(path)`` loads what ``save`` wrote there (resume)."""
 
     final: str  # the final model's name in DIR: "model.ckpt", "model.keras"
     at_step: Callable[[int], str]  # a checkpoint's name in DIR/checkpoints
     save: Callable[[str], list[str]]
+    restore: Callable[[str], None] | None = None
 
 
 def state_name(step: int) -> str:
     return f"state-{step:06d}.json"
 
 
-def check_save_dir(save_dir: str) -> None:
-    """``ConfigError`` if ``save_dir`` holds a run's model, state or checkpoints already."""
-    found = [
-        name for name in (STATE, CHECKPOINTS, "model.keras", "model.ckpt.index", "checkpoint")
-        if os.path.lexists(os.path.join(save_dir, name))
-    ]  # fmt: skip
-    if found:
-        raise ConfigError(
-            f"--save {save_dir!r} already holds a run's {found[0]}: this run would overwrite "
-            "it (stagefeed cannot resume from it yet); choose another directory or remove it"
-        )
+def check_save_dir(options: TrainerOptions) -> resume.Resume | None:
+    """Before anything starts: the checkpoint ``options.save_dir`` resumes from (None: it
+    holds no run, or ``options.fresh``); ``ConfigError`` if it holds one that this run
+    cannot resume (``consumer.resume``)."""
+    if options.save_dir is None or options.fresh or not os.path.isdir(options.save_dir):
+        return None
+    return resume.newest(options.save_dir, options)
 
 
 class Checkpoints:
     """Saves the model every ``options.checkpoint_every`` steps and at the end, each with its
     state file (see the module docstring). Call ``after_step`` after every booked step and
-    ``final`` once; neither is called for a non-finite model (the loss policy stops first)."""
+    ``final`` once; neither is called for a non-finite model (the loss policy stops first).
+
+    ``resumed``: the checkpoint this run resumes from (the chief's decision, made here:
+    ``--fresh`` moves the previous run aside first). ``position()``: the input position to
+    write, read after each model save (None: no position booked)."""
 
     def __init__(
-        self, options: TrainerOptions, model: ModelFormat, chief: bool | None = None
+        self,
+        options: TrainerOptions,
+        model: ModelFormat,
+        chief: bool | None = None,
+        position: Callable[[], InputPosition | None] | None = None,
     ) -> None:
         if options.save_dir is None:
             raise ValueError("Checkpoints needs options.save_dir")
@@ -88,8 +101,16 @@ class Checkpoints:
         self.directory = options.save_dir
         self.model = model
         self.chief = is_chief() if chief is None else chief
-        if self.chief:
-            check_save_dir(self.directory)
+        self.position = position
+        self.resumed: resume.Resume | None = None
+        if self.chief and options.fresh and os.path.isdir(self.directory):
+            resume.start_over(self.directory)
+        elif self.chief:
+            self.resumed = check_save_dir(options)
+        if self.resumed is not None:
+            if model.restore is None:
+                raise ValueError("this model format cannot restore a checkpoint")
+            model.restore(self.resumed.model_path)
         self.written: list[str] = []  # state files written, oldest first
 
     def after_step(self, step: int) -> str | None:
@@ -102,14 +123,18 @@ class Checkpoints:
         log.info("step %d: checkpoint %s", step, os.path.join(folder, self.model.at_step(step)))
         return state
 
-    def final(self, step: int) -> str | None:
-        """The trained model as ``DIR/<final>`` and ``DIR/state.json``; the state file."""
-        state = self._write(self.directory, self.model.final, STATE, step)
+    def final(self, step: int, finished: str = "") -> str | None:
+        """The trained model as ``DIR/<final>`` and ``DIR/state.json``; the state file.
+        ``finished``: why the run is done (its data ended, its steps are done), or "" if it
+        was stopped early and may be resumed."""
+        state = self._write(self.directory, self.model.final, STATE, step, finished)
         path = os.path.join(self.directory, self.model.final)
         log.info("saved the model after %d steps: %s", step, path)
         return state
 
-    def _write(self, folder: str, name: str, state: str, step: int) -> str | None:
+    def _write(
+        self, folder: str, name: str, state: str, step: int, finished: str = ""
+    ) -> str | None:
         if not self.chief:
             scratch = tempfile.mkdtemp(prefix="stagefeed-worker-save-")
             try:
@@ -119,22 +144,32 @@ class Checkpoints:
             return None
         os.makedirs(folder, exist_ok=True)
         files = self.model.save(os.path.join(folder, name))
+        delay = float(os.environ.get(TEST_STATE_DELAY) or 0)
+        if delay > 0:  # the test hook (module docstring): a kill here leaves no state file
+            log.info("test hook: %.1f s between the model and its state file", delay)
+            time.sleep(delay)
         path = os.path.join(folder, state)
-        _write_atomically(path, self._state(step, files))
+        # The position is read now, after the model: what the model has trained, no more.
+        _write_atomically(path, self._state(step, files, name, finished))
         self.written.append(path)
         return path
 
-    def _state(self, step: int, files: list[str]) -> dict[str, Any]:
+    def _state(
+        self, step: int, files: list[str], name: str, finished: str
+    ) -> dict[str, Any]:
         options = self.options
         per_epoch = options.steps_per_epoch
+        position = self.position() if self.position is not None else None
         return {
             "step": step,
             "epoch": step // per_epoch if per_epoch else None,
             "steps_per_epoch": per_epoch or None,
             "model": options.model,
             "model_files": sorted(files),
+            "model_path": name,
+            "finished": finished or False,
             "schema": options.schema.to_dict(),
-            "input": None,
+            "input": None if position is None else position.to_dict(),
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
 

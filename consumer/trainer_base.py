@@ -77,6 +77,9 @@ class TrainerBase:
         self.loss_finite = True
         self.nonfinite_steps = 0
         self.data_ended = False  # every producer signalled end of data, all of it trained
+        # The step of the checkpoint this run resumed from (``--save``, docs/resume.md): step
+        # numbers go on from it. None: a run that started afresh.
+        self.resumed_from: int | None = None
         # Why the run drained before its planned steps (``RunEnd``'s reason), or None.
         self.drained_because: str | None = None
         self.device = device
@@ -143,6 +146,30 @@ class TrainerBase:
             log.warning(
                 "step %d: loss is %s; training goes on (--on-nan warn)", record.step, record.loss
             )
+
+    def resume_books(self, checkpoints: Any) -> int:
+        """With ``--save``: book per-shard input positions in the ledger, from the checkpoint
+        ``checkpoints.resumed`` when there is one (logged in one line); the step to go on from.
+        Call before the intake starts."""
+        from stagefeed.common.shard_books import ShardBooks
+
+        resumed = checkpoints.resumed
+        self.ledger.shards = ShardBooks(resumed.position if resumed else None)
+        checkpoints.position = self.ledger.shards.position
+        if resumed is None:
+            return 0
+        self.resumed_from = resumed.step
+        self.steps_done = resumed.step
+        log.info("resuming from %s: %s", resumed.path, resumed.describe())
+        return resumed.step
+
+    def finished(self, step: int) -> str:
+        """Why the run is done after ``step`` (its data ended, its steps are done), or "" if
+        it stopped early: the final state's ``finished`` (a finished run is not resumed)."""
+        if self.data_ended:
+            return "every producer's data ended"
+        total = self.options.total_steps
+        return f"{total} steps done" if total and step >= total else ""
 
     def epoch_ended(self, step: int) -> bool:
         """True if ``step`` (1-based) ends an epoch of ``options.steps_per_epoch``; logs it."""

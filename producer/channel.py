@@ -67,6 +67,7 @@ from stagefeed.producer.handoff import (
     Lost,
     Outgoing,
     Released,
+    Repositioned,
     Returned,
     Sent,
     Shutdown,
@@ -109,6 +110,7 @@ class TrainerChannel:
         heartbeat_timeout_s: float = 0.0,
         hand_back: bool = False,
         notify: threading.Event | None = None,
+        hello_fields: dict[str, Any] | None = None,
     ) -> None:
         try:
             protocol.check_producer_name(name)
@@ -139,9 +141,12 @@ class TrainerChannel:
             self.lane,
             heartbeat_timeout_s=heartbeat_timeout_s,
             hand_back=hand_back,
+            hello_fields=hello_fields,
         )
         self._thread = threading.Thread(target=link.run, name=THREAD_NAME, daemon=True)
         self.welcome: Welcome | None = None
+        # The latest ``Repositioned`` since ``open``: a later welcome moved this shard.
+        self.repositioned: tuple[int, list[list[int]]] | None = None
         self._accepted = 0
         self._sent = 0
         self._released = 0
@@ -391,6 +396,8 @@ class TrainerChannel:
             self._refused[event.reason] += 1
         elif isinstance(event, Welcomed):
             self.welcome = event.welcome
+        elif isinstance(event, Repositioned):
+            self.repositioned = event.resume
         elif isinstance(event, Drained):
             self.drained = event
         elif isinstance(event, Failed):

@@ -78,6 +78,7 @@ class Fanout:
         self._wake = threading.Event()
         self.channels: list[TrainerChannel] = []
         self.welcome: Welcome | None = None
+        self.repositioned: tuple[int, list[list[int]]] | None = None  # never: see make_channel
         self._returned: list[tuple[Outgoing, OnRelease]] = []
         self._turn = 0
         self._slot_channel: int | None = None
@@ -302,9 +303,16 @@ Channel = TrainerChannel | Fanout  # what a producer's main loop sends through
 
 
 def make_channel(
-    options: ProducerOptions, name: str, configure: Callable[[zmq.Socket], None] | None
+    options: ProducerOptions,
+    name: str,
+    configure: Callable[[zmq.Socket], None] | None,
+    hello_fields: dict[str, Any] | None = None,
 ) -> TrainerChannel | Fanout:
-    """The channel of one producer process: to its one trainer, or a fan-out to several."""
+    """The channel of one producer process: to its one trainer, or a fan-out to several.
+
+    ``hello_fields`` (the shard's identity, for resume: docs/resume.md) go to a single trainer
+    only: a shard's position spread over several trainers is not kept (a fan-out's trainers
+    see an unsharded producer, so none claims an exact position for it)."""
     settings: dict[str, Any] = {
         "max_unsent": options.max_unsent,
         "configure": configure,
@@ -312,5 +320,7 @@ def make_channel(
         "heartbeat_timeout_s": options.heartbeat_timeout_s,
     }
     if len(options.connect) == 1:
-        return TrainerChannel(options.connect[0], name, options.schema, **settings)
+        return TrainerChannel(
+            options.connect[0], name, options.schema, hello_fields=hello_fields, **settings
+        )
     return Fanout(options.connect, name, options.schema, **settings)

@@ -22,12 +22,15 @@ from stagefeed.common.schema import Schema
 @dataclasses.dataclass(frozen=True)
 class Welcome:
     """What the first welcome settled: the schema batches follow, the trainer's message cap,
-    its first credit, and ``max_unsent`` (batches the channel may hold for this schema)."""
+    its first credit, and ``max_unsent`` (batches the channel may hold for this schema);
+    ``resume``: where this shard starts, ``(start, skip ranges)``, from a trainer that books
+    input positions (docs/resume.md), else None."""
 
     schema: Schema
     max_message: int
     credit: int
     max_unsent: int
+    resume: tuple[int, list[list[int]]] | None = None
 
 
 @dataclasses.dataclass
@@ -86,6 +89,14 @@ class Returned:
     giving ``out`` to ZeroMQ: ``out`` was never sent and is the owner's again."""
 
     out: Outgoing
+
+
+@dataclasses.dataclass(frozen=True)
+class Repositioned:
+    """A later welcome (a trainer that came back, or a new connection) told this shard where
+    to start again: ``(start, skip ranges)``. The producer rewinds its source there."""
+
+    resume: tuple[int, list[list[int]]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,7 @@ import os
 import queue
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.utils.monitor
@@ -94,6 +95,7 @@ class Link:
         *,
         heartbeat_timeout_s: float = 0.0,
         hand_back: bool = False,
+        hello_fields: dict[str, Any] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._heartbeat_s = heartbeat_timeout_s  # 0: derived from the batch size
@@ -109,6 +111,7 @@ class Link:
         self.session = Session(
             endpoint, name, schema, max_unsent_of, events.put,
             shm=lane is not None, on_release=lane.release if lane is not None else None,
+            hello_fields=hello_fields,
         )  # fmt: skip
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None

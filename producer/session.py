@@ -33,7 +33,7 @@ import collections
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -42,7 +42,7 @@ from stagefeed.common.errors import BrokenError, ConfigError, DropReason, Protoc
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.schema import Schema, SchemaMismatch
 from stagefeed.common.throttle import LogThrottle
-from stagefeed.producer.handoff import Credit, Dropped, Lost, Welcome, Welcomed
+from stagefeed.producer.handoff import Credit, Dropped, Lost, Repositioned, Welcome, Welcomed
 from stagefeed.producer.shm_lane import ShmOffer
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,10 @@ class Session:
         *,
         shm: bool = False,
         on_release: Callable[[str, int, int], object] | None = None,
+        hello_fields: Mapping[str, Any] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._hello_fields = dict(hello_fields or {})  # the shard's (protocol: hello)
         self.shm = shm
         self.shm_offer: ShmOffer | None = None  # of the latest welcome
         self.welcomes = 0  # welcomes accepted, on any connection
@@ -139,7 +141,8 @@ class Session:
         """Fields of the hello to send now: the same ``session`` token on every connection."""
         declared = self.schema.to_dict() if self.schema is not None else None
         shm = {"shm": True} if self.shm else {}
-        return {"name": self.name, "schema": declared, "session": self._token, **shm}
+        return {"name": self.name, "schema": declared, "session": self._token, **shm,
+                **self._hello_fields}  # fmt: skip
 
     def hello_sent(self, now: float) -> None:
         self.hello_due = False
@@ -195,6 +198,10 @@ class Session:
                 f"sends {self.schema.describe()}"
             )
         agreed = self.schema or schema
+        try:
+            resume = protocol.resume_of_welcome(header)
+        except ProtocolError as exc:
+            raise BrokenError(f"welcome from {self.endpoint}: {exc}") from None
         size = message_bytes(agreed)
         if size > header["max_message"]:
             raise ConfigError(
@@ -211,10 +218,14 @@ class Session:
         )
         if self.welcome is not None:
             log.info("trainer at %s welcomed us again (credit %d)", self.endpoint, self.credit)
+            if resume is not None:
+                self._post(Repositioned(resume))
             return None
         self.schema = agreed
         max_unsent = self._max_unsent_of(agreed)
-        self.welcome = Welcome(agreed, header["max_message"], header["credit"], max_unsent)
+        self.welcome = Welcome(
+            agreed, header["max_message"], header["credit"], max_unsent, resume
+        )
         self._post(Welcomed(self.welcome))
         return self.welcome
 

@@ -65,18 +65,28 @@ class WorkerInfo:
 
     ``producer_id`` is unique per process run (host, pid, index, nonce); ``seed`` is
     ``--seed + index``, so a run is reproducible and workers differ.
+
+    ``index`` of ``count`` is also the *shard* the producer says it carries (docs/resume.md):
+    an identity that survives restarts. ``start`` is the batch of this shard's stream the
+    source must yield first (0 unless a trainer resumed from a checkpoint): a *seekable*
+    source (``is_seekable``) honours it; any other is read from its first batch and the
+    producer discards the batches before ``start`` (exact only if the source replays the
+    same batches: the trainer calls that shard's position approximate).
     """
 
     index: int
     count: int
     producer_id: str
     seed: int
+    start: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("index", "count", "seed"):
+        for name in ("index", "count", "seed", "start"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"WorkerInfo.{name} must be an integer, got {value!r}")
+        if self.start < 0:
+            raise ConfigError(f"WorkerInfo.start must be >= 0, got {self.start}")
         if not 0 <= self.index < self.count:
             raise ConfigError(f"WorkerInfo.index {self.index} is not in [0, {self.count})")
         if not isinstance(self.producer_id, str) or not self.producer_id:
@@ -102,6 +112,12 @@ class FillingSource(Protocol):
 
 SourceFactory = Callable[[Schema, WorkerInfo], Iterable[Mapping[str, Any]] | FillingSource]
 Release = Callable[[], None]
+
+
+def is_seekable(factory: SourceFactory | None) -> bool:
+    """Whether a source factory declared it can start at any batch of its stream
+    (``factory.seekable = True``: it reads ``worker.start``). The synthetic source need not."""
+    return getattr(factory, "seekable", False) is True
 
 
 def resolve_source(ref: str) -> SourceFactory | None:

@@ -12,6 +12,14 @@ schema, then send each batch after ``check_arrays`` (the first batch's mismatch 
 ZeroMQ delivers for up to ``FLUSH_TIMEOUT_S``. A source that fails finishes the same way
 (the batches it made before are delivered), its ``end`` carrying ``source_error`` and the
 error's text, and then the error is raised (exit 2 or 3). A stop discards what is held.
+
+Resume (docs/resume.md): the hello names the shard (worker ``index`` of ``count``) and
+whether its source can seek; the batches' ``seq`` is their place in the shard's stream. A
+welcome that carries a position (a trainer with ``--save``) says where to start and which
+batches above to skip; the source is opened there (``WorkerInfo.start``, or read from its
+first batch and fast-forwarded when it cannot seek). A *later* welcome with a position (the
+trainer restarted, or the connection was replaced) makes the producer rewind: it discards
+what it holds, closes the channel and starts over on a new one, where the new welcome says.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import MIB, ProducerOptions
+from stagefeed.common.position import skip_of
 from stagefeed.producer import shm_send
 from stagefeed.producer.channel import Welcome
 from stagefeed.producer.fanout import Channel, make_channel
@@ -39,6 +48,7 @@ from stagefeed.producer.sources import (
     SourceFactory,
     SourceFailed,
     WorkerInfo,
+    is_seekable,
     open_feed,
     resolve_source,
 )
@@ -145,6 +155,11 @@ class Outcome:
     refused: dict[str, int] = dataclasses.field(default_factory=dict)
     bye: str | None = None
     trainers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    next_seq: int = 0  # the shard's stream position after the last batch handed over
+
+
+class _Rewind(Exception):
+    """A later welcome moved this shard (``TrainerChannel.repositioned``): start over."""
 
 
 def produce(
@@ -159,36 +174,64 @@ def produce(
     trainer ``source_error`` and the error's text; then the source's error is raised.
     """
     factory = resolve_source(options.source)
+    outcome = outcome if outcome is not None else Outcome()
+    while True:
+        try:
+            return _produce_once(options, worker, stop, outcome, factory)
+        except _Rewind:
+            log.info("producer %s: the trainer moved shard %d of %d: starting again where it "
+                     "says", worker.producer_id, worker.index, worker.count)  # fmt: skip
+
+
+def _produce_once(
+    options: ProducerOptions,
+    worker: WorkerInfo,
+    stop: Any,
+    outcome: Outcome,
+    factory: SourceFactory | None,
+) -> int:
+    """``produce`` over one channel; ``_Rewind`` (what it held discarded) when a later
+    welcome moved this shard."""
     configure = None
     if options.curve_keys:
         from stagefeed.common.curve import client_configurator
 
         configure = client_configurator(options.curve_keys)
-    channel = make_channel(options, worker.producer_id, configure)
+    channel = make_channel(
+        options, worker.producer_id, configure,
+        hello_fields={"shard": worker.index, "shards": worker.count,
+                      "seek": is_seekable(factory)},
+    )  # fmt: skip
     name = worker.producer_id
-    outcome = outcome if outcome is not None else Outcome()
     failure: ConfigError | BrokenError | None = None
-    finished = False
+    finished = rewound = False
     try:
         welcome = channel.open(stop)
         try:
             _send_all(options, worker, factory, channel, welcome, stop, outcome)
         except SourceFailed as failed:
             failure = failed.error
+        except _Rewind:
+            rewound = True
+            raise
         try:
-            outcome.bye = _finish(channel, name, outcome.sent, stop, failure)
+            outcome.bye = _finish(channel, name, outcome, stop, failure)
             finished = True
+            if failure is None and channel.repositioned is not None:
+                # A trainer that came back while we finished: what it lost is sent again.
+                rewound = True
+                raise _Rewind()
         except ClosedError:
             if failure is None:
                 raise  # a stop while delivering the tail of a failed source: its error stands
     finally:
-        if not finished and channel.welcome is not None:
+        if not finished and not rewound and channel.welcome is not None:
             log.info(
                 "producer %s stopped: %d batches handed over (%s); %s; %d not yet delivered "
                 "discarded (%d waiting for credit, %d held by ZeroMQ)",
                 name,
                 outcome.sent,
-                _seq_range(outcome.sent),
+                _seq_range(outcome.sent, outcome.next_seq),
                 _refused_text(channel),
                 channel.held(),
                 channel.waiting(),
@@ -211,37 +254,56 @@ def _send_all(
     stop: Any,
     outcome: Outcome,
 ) -> None:
-    """Open the source and hand its batches to the channel until its end or ``max_batches``;
-    ``SourceFailed`` when the source fails (``outcome.sent``: the batches before it)."""
+    """Open the source where the welcome says and hand its batches to the channel until its
+    end or ``max_batches``; ``SourceFailed`` when the source fails (``outcome.sent``: the
+    batches before it), ``_Rewind`` when a later welcome moved this shard."""
     schema, max_unsent = welcome.schema, welcome.max_unsent
+    start, skip = welcome.resume or (0, [])
+    seekable = is_seekable(factory)
+    skipped = set(skip_of(skip))
+    at = dataclasses.replace(worker, start=start if seekable else 0)
     try:
-        feed = open_feed(
-            options.source, schema, worker, max_unsent + 1, factory, options.short_batch
-        )
+        feed = open_feed(options.source, schema, at, max_unsent + 1, factory, options.short_batch)
     except (ConfigError, BrokenError) as exc:
         raise SourceFailed(exc) from exc
     log.info(
-        "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s",
+        "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s%s",
         worker.producer_id,
         ", ".join(options.connect),
         schema.describe(),
         schema.batch_bytes / MIB,
         max_unsent,
         options.source,
+        f"; shard {worker.index} of {worker.count} from batch {start}" if welcome.resume else "",
     )
+    seq = at.start
+    outcome.next_seq = seq
     interval = 1.0 / options.rate if options.rate else 0.0
     next_at = time.monotonic()
     while not options.max_batches or outcome.sent < options.max_batches:
         if stop.is_set():
             raise ClosedError("stop requested")
+        if channel.repositioned is not None:
+            raise _Rewind()
+        if seq < start or seq in skipped:  # trained already (or in flight): not sent again
+            if not _discard(feed):
+                return
+            seq += 1
+            outcome.next_seq = seq
+            continue
         if interval:
             next_at = _pace(next_at, interval, stop)
         if channel.lane is not None:
-            slot = shm_send.send_in_slot(channel, feed, outcome.sent, stop)
+            slot = shm_send.send_in_slot(channel, feed, seq, stop)
             if slot == shm_send.END:
                 return
             if slot != shm_send.NOT_SHARED:
                 outcome.sent += slot == shm_send.SENT
+                # A lost batch (its trainer went away) keeps its place in a positioned stream
+                # (the next welcome rewinds it); else its seq is reused, as ever.
+                if slot == shm_send.SENT or welcome.resume is not None:
+                    seq += 1
+                outcome.next_seq = seq
                 continue
         try:
             item = feed.next()
@@ -250,14 +312,29 @@ def _send_all(
         if item is None:
             return
         arrays, release = item
-        channel.send(arrays, outcome.sent, stop, on_release=release)
+        channel.send(arrays, seq, stop, on_release=release)
         outcome.sent += 1
+        seq += 1
+        outcome.next_seq = seq
+
+
+def _discard(feed: Any) -> bool:
+    """Read one batch and drop it (a batch the trainer has): False at the end of the data."""
+    try:
+        item = feed.next()
+    except (ConfigError, BrokenError) as exc:
+        raise SourceFailed(exc) from exc
+    if item is None:
+        return False
+    if item[1] is not None:
+        item[1]()
+    return True
 
 
 def _finish(
     channel: Channel,
     name: str,
-    count: int,
+    outcome: Outcome,
     stop: Any,
     failure: ConfigError | BrokenError | None = None,
 ) -> str | None:
@@ -266,7 +343,8 @@ def _finish(
     Returns the reason the ``end`` carried, or None if it could not be sent."""
     started = time.monotonic()
     reason = protocol.END_OK if failure is None else protocol.END_SOURCE_ERROR
-    drained = channel.finish(count, stop, FLUSH_TIMEOUT_S, reason, str(failure or ""))
+    # ``end {seq}``: where the stream ends (a resumed shard's first batches were not sent here)
+    drained = channel.finish(outcome.next_seq, stop, FLUSH_TIMEOUT_S, reason, str(failure or ""))
     linger_s = max(0.0, FLUSH_TIMEOUT_S - (time.monotonic() - started))
     refused = sum(channel.refused().values())
     log.log(
@@ -274,8 +352,8 @@ def _finish(
         "producer %s %s: %d batches (%s); %s; delivering the last %d (up to %.0f s)",
         name,
         "finished" if failure is None else "source failed, ending",
-        count,
-        _seq_range(count),
+        outcome.sent,
+        _seq_range(outcome.sent, outcome.next_seq),
         _refused_text(channel),
         channel.in_zeromq(),
         linger_s,
@@ -305,8 +383,10 @@ def _pace(next_at: float, interval: float, stop: Any) -> float:
     return max(next_at + interval, time.monotonic() - interval)
 
 
-def _seq_range(count: int) -> str:
-    return f"seq 0..{count - 1}" if count else "none"
+def _seq_range(count: int, end: int | None = None) -> str:
+    """``seq A..B`` of the last ``count`` batches before ``end`` (default: ``count``)."""
+    end = count if end is None else end
+    return f"seq {end - count}..{end - 1}" if count else "none"
 
 
 def _refused_text(channel: Channel) -> str:

@@ -94,9 +94,10 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     )  # fmt: skip
     envflags.add(g, "--epochs", type=int, default=1, help="epochs (> 1 needs --steps-per-epoch)")
     envflags.add(
-        g, "--save", default=None,
-        help="save what was trained here at the end: model.keras (Keras) or model.ckpt (graph)",
+        g, "--save", default=None, help="save what was trained here at the end: model.keras "
+        "(Keras) or model.ckpt (graph); a DIR holding a run resumes it (docs/resume.md)",
     )  # fmt: skip
+    envflags.add_switch(g, "--fresh", help="--save DIR holds a run: start over, not resume it")
     envflags.add(
         g, "--checkpoint-every", type=int, default=0,
         help="steps between checkpoints in --save DIR/checkpoints (0: none)",
@@ -225,8 +226,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         shm_producers=args.shm_producers or getattr(args, "producers", 1),
         epochs=args.epochs,
         steps_per_epoch=args.steps_per_epoch,
-        save_dir=args.save,
-        checkpoint_every=args.checkpoint_every,
+        save_dir=args.save, checkpoint_every=args.checkpoint_every, fresh=args.fresh,
         on_nan=args.on_nan,
         require_full_run=args.require_full_run,
         targets=_targets(args),

@@ -73,17 +73,18 @@ def _check_client_keys(options: ProducerOptions) -> None:
         client_configurator(options.curve_keys)
 
 
-def _check_outputs(json_path: str | None, logdir: str | None, save_dir: str | None) -> None:
-    """Every path the trainer will write, tried now: not after an hour of training."""
+def _check_outputs(json_path: str | None, logdir: str | None, options: TrainerOptions) -> None:
+    """Every path the trainer will write, tried now: not after an hour of training; and the
+    checkpoint ``--save`` resumes from, checked (a mismatch is refused before TensorFlow)."""
     if json_path:
         check_writable_file("--json", json_path)
     if logdir:
         check_writable_dir("--logdir", logdir)
-    if save_dir:
+    if options.save_dir:
         from stagefeed.consumer.checkpoints import check_save_dir  # no TensorFlow there
 
-        check_writable_dir("--save", save_dir)
-        check_save_dir(save_dir)
+        check_writable_dir("--save", options.save_dir)
+        check_save_dir(options)
 
 
 def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | None:
@@ -197,7 +198,7 @@ def train(
 ) -> int:
     """Listen, train ``options.total_steps`` steps (or until a signal), print the summary."""
     shutdown = shutdown or Shutdown().install()
-    _check_outputs(json_path, observe.logdir, options.save_dir)
+    _check_outputs(json_path, observe.logdir, options)
     apply_indexed_job()  # TF_CONFIG, checked or derived, before TensorFlow reads it
     # TensorFlow loads here (seconds): a signal meanwhile takes effect once it has loaded.
     from stagefeed.consumer.quiet_tf import import_tensorflow
@@ -230,20 +231,15 @@ def run_local(
     shutdown = shutdown or Shutdown().install()
     # Every flag checked first (ZeroMQ on a provisional address), then --transport decided.
     provisional = argparse.Namespace(**{**vars(args), "transport": "zmq"})
-    loop = loopback.plan(
-        args.transport,
-        args.bind,
-        trainer_options(provisional, "tcp://127.0.0.1:*"),
-        args.producers,
-        args.shm_socket,
-    )
+    checked = trainer_options(provisional, "tcp://127.0.0.1:*")
+    observe = observe_options(args)
+    _check_outputs(args.json, observe.logdir, checked)  # --save resumable, before the plan
+    loop = loopback.plan(args.transport, args.bind, checked, args.producers, args.shm_socket)
     args.transport = loop.transport  # what the trainer and the producers are started with
     options = trainer_options(args, loop.bind)
     private_ipc = loopback.ipc_path()  # run's own socket file: removed whatever happens
     # Validate the producers' options before anything starts (endpoint filled in below).
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
-    observe = observe_options(args)
-    _check_outputs(args.json, observe.logdir, options.save_dir)
     if loop.asked == "auto":  # after every check: a refused start says one line only
         log.info("--transport auto: %s (%s)", loop.chosen, loop.reason)
     from stagefeed.consumer.quiet_tf import import_tensorflow

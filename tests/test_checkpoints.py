@@ -1,6 +1,8 @@
 """``consumer/checkpoints.py``: the layout, the state file written after the model (atomically),
-who writes, and a directory that already holds a run refused at start. The model formats
-themselves are exercised by the real runs of ``test_run_length.py`` and ``test_keras_cli.py``.
+with the input position read after the model too, who writes, and a directory that already
+holds a run: resumed from its newest complete checkpoint, refused, or moved aside (``--fresh``,
+``consumer/resume.py``). The model formats themselves are exercised by the real runs of
+``test_run_length.py``, ``test_keras_cli.py`` and ``test_resume.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import pytest
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.position import InputPosition, StreamPosition
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, check_save_dir, is_chief
 
 from tests.conftest import run_cli
@@ -23,6 +26,8 @@ class FileModel:
     def __init__(self) -> None:
         self.saved: list[str] = []
         self.seen_before: list[list[str]] = []
+        self.restored: list[str] = []
+        self.events: list[str] = []  # "save" and "position", in the order they happened
 
     def save(self, path: str) -> list[str]:
         folder = os.path.dirname(path)
@@ -30,16 +35,18 @@ class FileModel:
         with open(path, "w") as f:
             f.write("weights")
         self.saved.append(path)
+        self.events.append("save")
         return [os.path.basename(path)]
 
     def format(self) -> ModelFormat:
-        return ModelFormat(final="model.bin", at_step=lambda s: f"model-{s}.bin", save=self.save)
+        return ModelFormat(final="model.bin", at_step=lambda s: f"model-{s}.bin", save=self.save,
+                           restore=self.restored.append)  # fmt: skip
 
 
-def options(tmp_path, every: int = 2, per_epoch: int = 0) -> TrainerOptions:
+def options(tmp_path, every: int = 2, per_epoch: int = 0, **more) -> TrainerOptions:
     return TrainerOptions(
         schema=SCHEMA, save_dir=str(tmp_path), checkpoint_every=every,
-        steps_per_epoch=per_epoch, epochs=2 if per_epoch else 1,
+        steps_per_epoch=per_epoch, epochs=2 if per_epoch else 1, **more,
     )  # fmt: skip
 
 
@@ -62,6 +69,27 @@ def test_every_nth_step_and_the_end_write_the_model_then_its_state(tmp_path):
     assert (state["step"], state["epoch"], state["steps_per_epoch"]) == (4, 1, 3)
     assert state["model_files"] == ["model-4.bin"] and state["input"] is None
     assert state["schema"] == SCHEMA.to_dict()
+    assert state["model_path"] == "model-4.bin" and state["finished"] is False
+
+
+def test_the_position_is_read_after_the_model_was_saved_and_is_what_it_said_then(tmp_path):
+    """The position must hold what the saved model trained: read before the save, a batch
+    trained in between (another thread's booking) would be missing from it, or one that was
+    not trained would be in it. This fails if the state is built before the model is saved."""
+    model = FileModel()
+    books = {"trained": 6}
+
+    def position() -> InputPosition:
+        model.events.append("position")
+        return InputPosition(1, {0: StreamPosition(books["trained"], {books["trained"] + 2})})
+
+    checkpoints = Checkpoints(options(tmp_path), model.format(), chief=True, position=position)
+    checkpoints.after_step(2)
+    assert model.events == ["save", "position"]
+    with open(tmp_path / "checkpoints" / "state-000002.json") as f:
+        state = json.load(f)
+    assert state["input"]["streams"] == {"0": {"next": 6, "above": [8], "end": None}}
+    assert InputPosition.from_dict(state["input"], "test").streams[0].next == 6
 
 
 def test_a_failed_model_save_leaves_no_state_for_that_step(tmp_path):
@@ -110,22 +138,85 @@ def test_a_malformed_tf_config_is_a_config_error():
 @pytest.mark.parametrize(
     "existing", ["state.json", "model.keras", "model.ckpt.index", "checkpoints"]
 )
-def test_a_directory_holding_a_run_is_refused(tmp_path, existing):
-    (tmp_path / existing).mkdir() if existing == "checkpoints" else (tmp_path / existing).touch()
-    with pytest.raises(ConfigError, match=f"already holds a run's {existing}"):
-        check_save_dir(str(tmp_path))
-    with pytest.raises(ConfigError, match="already holds"):
+def test_a_directory_holding_a_run_but_no_complete_checkpoint_is_refused(tmp_path, existing):
+    if existing == "checkpoints":
+        (tmp_path / existing).mkdir()
+    elif existing == "state.json":
+        (tmp_path / existing).write_text('{"step": 3, "model_files": ["gone.bin"], '
+                                         '"model_path": "gone.bin"}')  # fmt: skip
+    else:
+        (tmp_path / existing).touch()
+    with pytest.raises(ConfigError, match="no complete checkpoint to resume from; pass --fresh"):
+        check_save_dir(options(tmp_path))
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
         Checkpoints(options(tmp_path), FileModel().format(), chief=True)
 
 
-def test_the_command_line_refuses_it_before_anything_starts(tmp_path):
+def _run_to(tmp_path, steps: int, position: InputPosition | None = None, **more) -> FileModel:
+    model = FileModel()
+    checkpoints = Checkpoints(options(tmp_path, **more), model.format(), chief=True,
+                              position=lambda: position)  # fmt: skip
+    for step in range(1, steps + 1):
+        checkpoints.after_step(step)
+    return model
+
+
+def test_a_run_resumes_from_its_newest_complete_checkpoint(tmp_path):
+    position = InputPosition(2, {0: StreamPosition(3, {5}), 1: StreamPosition(4)})
+    _run_to(tmp_path, 6, position)
+    os.unlink(tmp_path / "checkpoints" / "model-6.bin")  # killed while writing: incomplete
+    model = FileModel()
+    checkpoints = Checkpoints(options(tmp_path), model.format(), chief=True)
+    resumed = checkpoints.resumed
+    assert resumed is not None and resumed.step == 4
+    assert model.restored == [str(tmp_path / "checkpoints" / "model-4.bin")]
+    assert resumed.position.to_dict() == position.to_dict()
+    assert resumed.describe() == "step 4, input: shard 0 at 3 (+1 above), shard 1 at 4"
+
+
+@pytest.mark.parametrize(
+    ("changed", "refused"),
+    [
+        ({"model": "tests.regression_models:linear_fn"}, "is of --model 'alexnet'"),
+        ({"schema": SCHEMA.with_batch_size(8)}, "was trained on"),
+    ],
+)
+def test_a_checkpoint_of_another_model_or_schema_is_refused(tmp_path, changed, refused):
+    _run_to(tmp_path, 2, InputPosition(1))
+    fields = {"schema": SCHEMA, "save_dir": str(tmp_path), **changed}
+    with pytest.raises(ConfigError, match=refused):
+        check_save_dir(TrainerOptions(**fields))
+
+
+def test_a_finished_run_or_one_without_a_position_is_not_resumed(tmp_path):
+    _run_to(tmp_path / "a", 2, None)
+    with pytest.raises(ConfigError, match="holds no input position"):
+        check_save_dir(options(tmp_path / "a"))
+    os.makedirs(tmp_path / "b")
+    done = Checkpoints(options(tmp_path / "b"), FileModel().format(), chief=True,
+                       position=lambda: InputPosition(1))  # fmt: skip
+    done.final(5, "every producer's data ended")
+    with pytest.raises(ConfigError, match="holds a finished run .* nothing to resume"):
+        check_save_dir(options(tmp_path / "b"))
+
+
+def test_fresh_moves_the_previous_run_aside_and_starts_over(tmp_path):
+    _run_to(tmp_path, 4, InputPosition(1))
+    checkpoints = Checkpoints(options(tmp_path, fresh=True), FileModel().format(), chief=True)
+    assert checkpoints.resumed is None
+    kept = [n for n in os.listdir(tmp_path) if n.startswith("previous-")]
+    assert len(kept) == 1 and os.listdir(tmp_path) == kept
+    assert sorted(os.listdir(tmp_path / kept[0] / "checkpoints"))[-1] == "state-000004.json"
+
+
+def test_the_command_line_refuses_an_unresumable_directory_before_anything_starts(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step-000020.keras").touch()
     done = run_cli(["run", "--save", str(tmp_path), "--steps", "2"], timeout=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"stagefeed: error: --save {str(tmp_path)!r} already holds a run's checkpoints: this "
-        "run would overwrite it (stagefeed cannot resume from it yet); choose another "
-        "directory or remove it"
+        f"stagefeed: error: --save {str(tmp_path)!r} already holds a run's checkpoints but no "
+        "complete checkpoint to resume from; pass --fresh to start over (its files move to "
+        "previous-<time>/)"
     ]
     assert "TensorFlow" not in done.stderr

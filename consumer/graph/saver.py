@@ -40,4 +40,17 @@ def saver_format(session: v1.Session, save_dir: str) -> ModelFormat:
             written = saver.save(session, prefix)
         return [os.path.basename(path) for path in glob.glob(glob.escape(written) + ".*")]
 
-    return ModelFormat(final=FINAL, at_step=lambda step: f"{FINAL}-{step}", save=save)
+    def restore(prefix: str) -> None:
+        try:
+            with session.graph.as_default():
+                saver.restore(session, prefix)
+        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as exc:
+            first = str(exc).strip().splitlines()[0][:200]
+            raise ConfigError(
+                f"cannot restore {prefix} into this --model (another model's checkpoint?): "
+                f"{first}; pass --fresh to start over"
+            ) from None
+
+    return ModelFormat(
+        final=FINAL, at_step=lambda step: f"{FINAL}-{step}", save=save, restore=restore
+    )

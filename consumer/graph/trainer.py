@@ -79,7 +79,8 @@ class Trainer(TrainerBase):
             self.session.run(v1.global_variables_initializer())
         if options.save_dir is not None:
             model = saver_format(self.session, options.save_dir)
-            self.checkpoints = Checkpoints(options, model)
+            self.checkpoints = Checkpoints(options, model)  # restores what it resumes from
+            self.resume_books(self.checkpoints)
         self._intake = Intake(
             options,
             self.schema,
@@ -118,7 +119,7 @@ class Trainer(TrainerBase):
             self.consumed += 1
         log.info("staging area primed with %d batches", self.consumed)
         warmup, total = self.options.warmup_steps, self.options.total_steps
-        step = 0
+        base = step = self.resumed_from or 0  # a resumed run's steps go on from its checkpoint
         while total == 0 or step < total:
             verdict = run_end.poll()  # also while batches flow: a failure or stop ends the run
             if verdict.ending is Ending.FAIL:
@@ -134,7 +135,7 @@ class Trainer(TrainerBase):
                 more = self._wait_for_batch(run_end)
             except ClosedError:
                 break
-            if not more and self.consumed == self.steps_done:
+            if not more and self.consumed == step - base:  # every dequeued batch trained
                 self.data_ended = run_end.verdict.data_ended
                 self.drained_because = run_end.verdict.reason
                 log.info("%s and every batch was trained", run_end.verdict.reason)
@@ -157,7 +158,7 @@ class Trainer(TrainerBase):
         if run_end.verdict.failure is not None:  # drained after a source's failure: now fail
             raise run_end.verdict.failure
         if self.checkpoints is not None:
-            self.checkpoints.final(step)
+            self.checkpoints.final(step, self.finished(step))
 
     def _wait_for_batch(self, run_end: RunEnd) -> bool:
         """True once a batch is queued; False when the run drains with none left to queue.

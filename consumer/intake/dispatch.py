@@ -96,6 +96,9 @@ class Dispatch:
             self._on_batch(router, conn, header, lambda: self._shm_batch(conn, header))
         elif kind == "end":  # the producer's bye, and why (protocol.end_reason)
             self._ledger.ended(conn.index, header["seq"], *protocol.end_reason(header))
+            shard = self._ledger.shard_of(conn.index)
+            if shard is not None and self._ledger.shards is not None:
+                self._ledger.shards.ended(shard, header["seq"])
             self.conns.end(conn)
             if self.shm is not None:
                 self.shm.ended(conn.routing_id)
@@ -117,11 +120,15 @@ class Dispatch:
                 router, routing_id, "refused", reason=DropReason.SPEC_MISMATCH.value, detail=detail
             )
             return
+        shard = self._shard(router, routing_id, name, header)
+        if shard is False:
+            return
         conn = self.conns.get(routing_id)
         if conn is None:
             index = None if self.conns.full() else self._ledger.open(
-                name if user_id is None else f"{name} {key_fingerprint(user_id)}", session
-            )
+                name if user_id is None else f"{name} {key_fingerprint(user_id)}", session,
+                shard,
+            )  # fmt: skip
             if index is None:
                 detail = f"the trainer serves {MAX_LIVE_CONNECTIONS} connections at most"
                 self._ledger.refused(name, DropReason.PEER_LIMIT.value, detail)
@@ -136,12 +143,36 @@ class Dispatch:
         credit = grants.pop(routing_id, 0)
         wants_shm = self.shm is not None and header.get("shm") is True
         shm = self.shm.offer(routing_id, conn.index) if wants_shm else {}
+        books = self._ledger.shards
+        position = {}
+        if books is not None and isinstance(shard, int):
+            start, skip = books.welcome(shard)
+            position = {"start": start, "skip": skip}
         self.reply(
             router, routing_id, "welcome", schema=self.schema.to_dict(),
-            max_message=self.options.max_message_bytes, credit=credit, **shm,
+            max_message=self.options.max_message_bytes, credit=credit, **shm, **position,
         )  # fmt: skip
         for rid, n in grants.items():
             self.reply(router, rid, "credit", n=n)
+
+    def _shard(self, router: zmq.Socket, routing_id: bytes, name: str, header: dict) -> Any:
+        """The shard a hello names, admitted (None: it names none, or this trainer books no
+        positions); False if it was refused (the refusal is sent and booked)."""
+        named, books = protocol.shard_of_hello(header), self._ledger.shards
+        if books is None:
+            return None
+        if named is None:
+            if self._internal_log.due("no-shard"):
+                log.warning("producer %s names no shard: its batches are in no input position "
+                            "(a resumed run may train them again)", name)  # fmt: skip
+            return None
+        shard, shards, seek = named
+        why = books.join(shard, shards, seek)
+        if why is None:
+            return shard
+        self._ledger.refused(name, DropReason.SHARD.value, why)
+        self.reply(router, routing_id, "refused", reason=DropReason.SHARD.value, detail=why)
+        return False
 
     def _on_batch(
         self, router: zmq.Socket, conn, header: dict, decode: Callable[[], protocol.Batch]
@@ -208,6 +239,13 @@ class Dispatch:
             and all(c.ended for c in live)
             and self.conns.available == self.credit_pool
         )
+        books = self._ledger.shards
+        if ended and books is not None and (missing := books.missing()):
+            ended = False  # a shard's stream is not all here: its producer rewinds, or is gone
+            if self._internal_log.due("shards-missing"):
+                log.warning("every producer said end, but shards %s are not complete (first "
+                            "batch missing: %s): waiting for their producers (restart them if "
+                            "they are gone)", sorted(missing), missing)  # fmt: skip
         if ended:
             self._data_ended.set()
         else:

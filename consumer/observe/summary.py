@@ -35,6 +35,7 @@ def summarize(
     chosen and why (``stagefeed.loopback``); None for ``train``."""
     options, spec = trainer.options, trainer.schema
     totals = trainer.ledger.totals()
+    base = trainer.resumed_from or 0
     nan = math.nan
     window = final.window if final is not None else None
     summary: dict[str, Any] = {
@@ -50,8 +51,10 @@ def summarize(
         "recv_threads": options.recv_threads,
         "queue_capacity": options.queue_capacity,
         "stage_depth": options.stage_depth,
-        "warmup_steps": min(trainer.steps_done, options.warmup_steps),
-        "steps": max(0, trainer.steps_done - options.warmup_steps),
+        # This run's steps (a resumed run's step numbers go on from its checkpoint's).
+        "warmup_steps": max(0, min(trainer.steps_done, options.warmup_steps) - base),
+        "steps": max(0, trainer.steps_done - max(options.warmup_steps, base)),
+        "resumed_from": trainer.resumed_from,
         "interrupted": interrupted,
         "median_ms": _round(final.median_ms if final else nan),
         "p10_ms": _round(final.p10_ms if final else nan),
@@ -190,6 +193,8 @@ def format_text(summary: dict[str, Any]) -> str:
         f"queue {s['queue_capacity']} batches, staging depth {s['stage_depth']}",
         _transport_line(s),
         f"  steps {s['steps']} timed (+{s['warmup_steps']} warm-up)"
+        + (f" - resumed from step {s['resumed_from']}" if s.get("resumed_from") is not None
+           else "")
         + (" - interrupted" if s["interrupted"] else "")
         + (" - every producer's data ended" if s.get("data_ended") else ""),
         f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",

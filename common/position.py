@@ -1,0 +1,155 @@
+"""The input position: which batches of each shard's stream a model has trained (resume).
+
+A *shard* is a stream identity that survives restarts: worker ``i`` of the ``n`` workers of a
+``stagefeed produce --workers n`` (or ``run --producers n``), never a process id. A shard
+numbers its batches ``0, 1, 2, ...`` along its whole stream (every pass of its source), and
+that number is the batch's ``seq`` on the wire: a producer that resumes at batch ``k`` sends
+``k`` first.
+
+``StreamPosition`` is what was trained of one shard: every batch below ``next`` (the
+low-water mark), plus ``above``, the few trained batches past it (several enqueue threads and
+the queue's credit window let batches be trained out of order). It holds what was trained,
+never a guess: the train loop adds a batch once its step has run.
+
+``end`` is where the shard's stream ends, once its producer said so (``end {seq}``), else
+null: a fact about the stream, kept so that a resumed trainer knows a shard is complete even
+when its producer is gone.
+
+``InputPosition`` is that for every shard, in the checkpoint's state file (``"input"``)::
+
+    {"version": 1, "shards": 2, "approximate": [1],
+     "streams": {"0": {"next": 57, "above": [59], "end": null},
+                 "1": {"next": 96, "above": [], "end": 96}}}
+
+``approximate`` lists the shards whose source could not seek (the producer fast-forwarded
+it): their position is exact only if that source replays the same batches.
+
+Merging (several trainer workers of one cluster, each booking the batches it trained):
+``InputPosition.merge`` is the union of the trained sets, shard by shard. No TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from stagefeed.common.errors import ConfigError
+
+VERSION = 1
+MAX_SHARDS = 4096
+MAX_RANGES = 256  # ranges a welcome's ``skip`` carries at most (the rest is deduplicated)
+
+
+@dataclasses.dataclass
+class StreamPosition:
+    """Trained batches of one shard: all below ``next``, and ``above`` (each > ``next``)."""
+
+    next: int = 0
+    above: set[int] = dataclasses.field(default_factory=set)
+    end: int | None = None  # the stream's length, once its producer said ``end``
+
+    def __contains__(self, seq: int) -> bool:
+        return seq < self.next or seq in self.above
+
+    def add(self, seq: int) -> None:
+        if seq in self:
+            return
+        self.above.add(seq)
+        while self.next in self.above:
+            self.above.discard(self.next)
+            self.next += 1
+
+    def union(self, other: StreamPosition) -> StreamPosition:
+        """Batches trained in either (every batch below the larger ``next`` is in one)."""
+        ends = [e for e in (self.end, other.end) if e is not None]
+        out = StreamPosition(max(self.next, other.next), set(), max(ends) if ends else None)
+        for seq in sorted(self.above | other.above):
+            if seq >= out.next:
+                out.add(seq)
+        return out
+
+    def ranges(self, limit: int = MAX_RANGES) -> list[list[int]]:
+        """``above`` as sorted inclusive ``[first, last]`` runs, at most ``limit`` of them."""
+        runs: list[list[int]] = []
+        for seq in sorted(self.above):
+            if runs and runs[-1][1] == seq - 1:
+                runs[-1][1] = seq
+            elif len(runs) < limit:
+                runs.append([seq, seq])
+            else:
+                break
+        return runs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"next": self.next, "above": sorted(self.above), "end": self.end}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> StreamPosition:
+        if not isinstance(data, Mapping) or set(data) != {"next", "above", "end"}:
+            raise ConfigError(f"{where}: expected {{next, above, end}}, got {str(data)[:80]}")
+        nxt, above, end = data["next"], data["above"], data["end"]
+        if not _count(nxt) or not isinstance(above, list) or not all(_count(s) for s in above):
+            raise ConfigError(f"{where}: next and above must be counts, got {str(data)[:80]}")
+        if any(s <= nxt for s in above):
+            raise ConfigError(f"{where}: every 'above' must be past next={nxt}")
+        if end is not None and not _count(end):
+            raise ConfigError(f"{where}: end must be a count or null, got {end!r}")
+        return cls(nxt, set(above), end)
+
+
+def skip_of(ranges: Iterable[Iterable[int]]) -> Iterator[int]:
+    """Every batch number of ``[first, last]`` ranges (a welcome's ``skip``)."""
+    for first, last in ranges:
+        yield from range(first, last + 1)
+
+
+@dataclasses.dataclass
+class InputPosition:
+    """Every shard's ``StreamPosition`` (see the module docstring)."""
+
+    shards: int
+    streams: dict[int, StreamPosition] = dataclasses.field(default_factory=dict)
+    approximate: set[int] = dataclasses.field(default_factory=set)
+
+    def of(self, shard: int) -> StreamPosition:
+        return self.streams.setdefault(shard, StreamPosition())
+
+    def merge(self, other: InputPosition) -> InputPosition:
+        """The union of two workers' books (the same shards)."""
+        if other.shards != self.shards:
+            raise ConfigError(f"cannot merge positions of {self.shards} and {other.shards} shards")
+        out = InputPosition(self.shards, approximate=self.approximate | other.approximate)
+        for shard in set(self.streams) | set(other.streams):
+            out.streams[shard] = self.of(shard).union(other.of(shard))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": VERSION,
+            "shards": self.shards,
+            "approximate": sorted(self.approximate),
+            "streams": {str(s): p.to_dict() for s, p in sorted(self.streams.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> InputPosition:
+        """``ConfigError`` naming ``where`` if ``data`` is not a position of this version."""
+        if not isinstance(data, Mapping) or data.get("version") != VERSION:
+            raise ConfigError(f"{where}: not an input position of version {VERSION}")
+        shards = data.get("shards")
+        if not _count(shards) or not 0 < shards <= MAX_SHARDS:
+            raise ConfigError(f"{where}: shards must be in [1, {MAX_SHARDS}], got {shards!r}")
+        streams, approximate = data.get("streams"), data.get("approximate")
+        if not isinstance(streams, Mapping) or not isinstance(approximate, list):
+            raise ConfigError(f"{where}: streams must be a map and approximate a list")
+        out = cls(shards, approximate={a for a in approximate if _count(a)})
+        for key, value in streams.items():
+            if not (isinstance(key, str) and key.isdigit() and int(key) < shards):
+                raise ConfigError(f"{where}: shard {key!r} is not in [0, {shards})")
+            out.streams[int(key)] = StreamPosition.from_dict(value, f"{where} shard {key}")
+        return out
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,131 @@
+"""The trainer's books per shard: what was trained (the input position) and what is in flight.
+
+``ShardBooks`` is kept by the ``Ledger`` of a trainer that saves checkpoints (``--save``):
+the intake asks it about every batch of a connection that named its shard in its hello
+(``admit``), the train loop tells it what each step trained (``trained``), and the checkpoint
+writer reads ``position()`` right after the model was saved, on the train loop's thread, so
+the position holds exactly the batches whose effect is in that model.
+
+- ``trained``: a ``StreamPosition`` per shard (``common.position``), restored from the
+  checkpoint a run resumes from;
+- ``in_flight``: batches accepted (received and booked) and not yet trained: queued, staged,
+  in an enqueue thread's hands. A batch already trained is refused as ``already_trained``, one
+  in flight as ``duplicate``: a shard's batch is trained at most once, whatever producers
+  re-send (a producer that rewinds, a second connection of the same shard).
+- ``welcome(shard)``: where a shard's producer starts: the first batch neither trained nor in
+  flight, and the ranges above it to skip.
+- ``ended(shard, n)`` books where a shard's stream ends; ``complete()`` says whether every
+  shard's stream is known to end and all of it is trained or in flight. The intake's end of
+  data waits for it: a producer that ended with the batches a killed trainer lost still
+  missing is moved back by its next welcome (it rewinds), and a shard whose producer is gone
+  is waited for (and logged), never skipped in silence.
+
+Thread-safe (its own lock; the ``Ledger`` calls it under its lock, never the reverse).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from stagefeed.common.errors import DropReason
+from stagefeed.common.position import MAX_SHARDS, InputPosition, StreamPosition
+
+log = logging.getLogger(__name__)
+
+
+class ShardBooks:
+    """Per-shard trained and in-flight batches (see the module docstring)."""
+
+    def __init__(self, resumed: InputPosition | None = None) -> None:
+        self._lock = threading.Lock()
+        self.resumed = resumed
+        self._position = resumed or InputPosition(0)
+        self._in_flight: dict[int, set[int]] = {}
+
+    @property
+    def shards(self) -> int:
+        """The shard count every hello must name (0: none seen yet, and not resumed)."""
+        return self._position.shards
+
+    def join(self, shard: int, shards: int, seekable: bool) -> str | None:
+        """A hello naming ``shard`` of ``shards``: None if it may join, else why not."""
+        with self._lock:
+            if not 0 < shards <= MAX_SHARDS or not 0 <= shard < shards:
+                return f"shard {shard} of {shards} is not a shard"
+            if self._position.shards == 0:
+                self._position.shards = shards
+            if shards != self._position.shards:
+                where = "the checkpoint resumed" if self.resumed else "the first producer"
+                return (
+                    f"this producer is shard {shard} of {shards}; {where} has "
+                    f"{self._position.shards} shards: the position cannot be mapped"
+                )
+            if not seekable and shard not in self._position.approximate:
+                self._position.approximate.add(shard)
+                log.warning(
+                    "shard %d: its source cannot seek; its position is approximate (exact "
+                    "only if the source replays the same batches)", shard,
+                )  # fmt: skip
+            return None
+
+    def admit(self, shard: int, seq: int) -> DropReason | None:
+        """Book batch ``seq`` of ``shard`` as in flight; the reason to drop it instead."""
+        with self._lock:
+            if seq in self._position.of(shard):
+                return DropReason.ALREADY_TRAINED
+            flying = self._in_flight.setdefault(shard, set())
+            if seq in flying:
+                return DropReason.DUPLICATE
+            flying.add(seq)
+            return None
+
+    def trained(self, shard: int, seq: int) -> None:
+        with self._lock:
+            self._in_flight.get(shard, set()).discard(seq)
+            self._position.of(shard).add(seq)
+
+    def ended(self, shard: int, end: int) -> None:
+        """Shard ``shard``'s producer said its stream ends at ``end`` (``end {seq}``)."""
+        with self._lock:
+            self._position.of(shard).end = end
+
+    def missing(self) -> dict[int, int]:
+        """Shards not complete: their first batch neither trained nor in flight (known
+        shards only; {} while no shard is known)."""
+        with self._lock:
+            out = {}
+            for shard in range(self._position.shards):
+                stream = self._position.of(shard)
+                start = self._accepted(shard).next
+                if stream.end is None or start < stream.end:
+                    out[shard] = start
+            return out
+
+    def lost(self, shard: int, seq: int) -> None:
+        """Batch ``seq`` left the feed untrained (abandoned): it may come again."""
+        with self._lock:
+            self._in_flight.get(shard, set()).discard(seq)
+
+    def welcome(self, shard: int) -> tuple[int, list[list[int]]]:
+        """``(start, skip)`` for a producer of ``shard`` (trained or in flight is skipped)."""
+        with self._lock:
+            accepted = self._accepted(shard)
+            return accepted.next, accepted.ranges()
+
+    def _accepted(self, shard: int) -> StreamPosition:
+        """Trained or in flight (lock held)."""
+        stream = self._position.of(shard)
+        accepted = StreamPosition(stream.next, set(stream.above))
+        for seq in self._in_flight.get(shard, ()):
+            accepted.add(seq)
+        return accepted
+
+    def position(self) -> InputPosition:
+        """A copy of what was trained, for the checkpoint's state file."""
+        with self._lock:
+            out = InputPosition(self._position.shards, approximate=set(self._position.approximate))
+            for shard, stream in self._position.streams.items():
+                out.streams[shard] = StreamPosition(stream.next, set(stream.above), stream.end)
+            return out
+

@@ -1,0 +1,103 @@
+"""The input position (``common/position.py``) and the trainer's per-shard books
+(``common/shard_books.py``, through the ``Ledger``): what was trained, not a guess; batches
+trained or in flight refused; the union of two workers' books; the welcome's position."""
+
+from __future__ import annotations
+
+import pytest
+from stagefeed.common import protocol
+from stagefeed.common.errors import ConfigError, DropReason, ProtocolError
+from stagefeed.common.ledger import Ledger
+from stagefeed.common.position import InputPosition, StreamPosition, skip_of
+from stagefeed.common.shard_books import ShardBooks
+
+
+def test_a_low_water_mark_plus_the_few_above_it_holds_out_of_order_training():
+    p = StreamPosition()
+    for seq in (0, 2, 3, 1, 6):
+        p.add(seq)
+    assert (p.next, p.above) == (4, {6})
+    assert 3 in p and 6 in p and 4 not in p and 5 not in p
+    assert p.ranges() == [[6, 6]]
+    assert StreamPosition.from_dict(p.to_dict(), "t") == p
+
+
+def test_the_union_of_two_workers_books_is_a_shard_by_shard_merge():
+    a = InputPosition(2, {0: StreamPosition(5, {7}), 1: StreamPosition(2)})
+    b = InputPosition(2, {0: StreamPosition(3, {5, 6}), 1: StreamPosition(0, {2, 4})})
+    merged = a.merge(b)
+    assert merged.streams[0] == StreamPosition(8)
+    assert merged.streams[1] == StreamPosition(3, {4})
+    with pytest.raises(ConfigError, match="positions of 2 and 3 shards"):
+        a.merge(InputPosition(3))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"version": 2, "shards": 1, "approximate": [], "streams": {}},
+        {"version": 1, "shards": 0, "approximate": [], "streams": {}},
+        {"version": 1, "shards": 1, "approximate": [],
+         "streams": {"1": {"next": 0, "above": [], "end": None}}},
+        {"version": 1, "shards": 1, "approximate": [],
+         "streams": {"0": {"next": 3, "above": [2], "end": None}}},
+        {"version": 1, "shards": 1, "approximate": [],
+         "streams": {"0": {"next": 3, "above": [], "end": -1}}},
+    ],
+)
+def test_a_malformed_position_is_a_config_error_naming_where(bad):
+    with pytest.raises(ConfigError, match="checkpoint x"):
+        InputPosition.from_dict(bad, "checkpoint x")
+
+
+def test_the_ledger_books_trained_batches_and_refuses_them_again():
+    ledger = Ledger(shards=ShardBooks(InputPosition(2, {0: StreamPosition(3)})))
+    assert ledger.shards.join(0, 2, True) is None
+    first = ledger.open("p", shard=0)
+    assert ledger.accept(first, 2, 10) is DropReason.ALREADY_TRAINED  # in the checkpoint
+    assert ledger.accept(first, 3, 10) is None and ledger.accept(first, 4, 10) is None
+    second = ledger.open("q", shard=0)  # the same shard on another connection
+    assert ledger.accept(second, 4, 10) is DropReason.DUPLICATE  # in flight
+    ledger.trained([first], [4])  # out of order: 3 is still queued
+    assert ledger.shards.position().streams[0] == StreamPosition(3, {4})
+    assert ledger.shards.welcome(0) == (5, [])  # 3 in flight, 4 trained: both skipped
+    ledger.abandoned([first], [3])  # taken off the queue untrained: it may come again
+    assert ledger.shards.welcome(0) == (3, [[4, 4]])
+    assert ledger.accept(second, 5, 10) is None
+
+
+def test_the_data_ends_only_once_every_shards_stream_is_all_trained_or_in_flight():
+    books = ShardBooks(InputPosition(2, {0: StreamPosition(4, end=4)}))
+    assert books.missing() == {1: 0}  # shard 1 never said where its stream ends
+    books.ended(1, 3)
+    assert books.admit(1, 0) is None and books.admit(1, 2) is None
+    assert books.missing() == {1: 1}  # batch 1 was lost with a killed trainer: not here yet
+    assert books.admit(1, 1) is None
+    assert books.missing() == {}
+
+
+def test_a_hello_with_another_shard_count_is_refused_naming_both():
+    books = ShardBooks(InputPosition(2))
+    assert "shard 0 of 3; the checkpoint resumed has 2 shards" in books.join(0, 3, True)
+    fresh = ShardBooks()
+    assert fresh.join(1, 4, False) is None and fresh.shards == 4
+    assert fresh.position().approximate == {1}  # its source cannot seek: announced
+    assert "the first producer has 4 shards" in fresh.join(0, 2, True)
+
+
+def test_the_welcome_carries_the_position_and_a_bad_one_is_refused():
+    header = protocol.decode_header(
+        protocol.encode_control("welcome", schema={}, max_message=1, credit=0, start=5,
+                                skip=[[7, 8], [10, 10]]),  # fmt: skip
+        protocol.FROM_TRAINER,
+    )
+    start, skip = protocol.resume_of_welcome(header)
+    assert (start, list(skip_of(skip))) == (5, [7, 8, 10])
+    for bad in ([[4, 6]], [[7, 6]], [[7, 8], [8, 9]], [["a", 1]]):
+        with pytest.raises(ProtocolError, match="welcome.skip"):
+            protocol.resume_of_welcome({"start": 5, "skip": bad})
+    hello = protocol.decode_header(
+        protocol.encode_control("hello", name="p", schema=None, shard=1, shards=2, seek=True),
+        protocol.FROM_PRODUCER,
+    )
+    assert protocol.shard_of_hello(hello) == (1, 2, True)

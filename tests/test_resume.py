@@ -1,0 +1,120 @@
+"""Resume exactly (docs/resume.md): runs killed with SIGKILL mid-epoch, re-run with the same
+command until they finish; every row is then trained exactly ``EPOCHS`` times.
+
+The model's only state is a per-row counter (``tests/resume_models.py``): the final
+checkpoint's ``row_counts`` is ``EPOCHS`` for every row only if every batch whose effect is in
+each checkpoint was never trained again, and every batch that was not (queued, staged, in
+flight when the process died) was trained after the resume, once. A position saved before
+its model, or one counting the queued tail as trained, leaves counts of 1 or 3 here.
+
+Real processes: ``stagefeed run`` (its whole process group killed), ``stagefeed train`` killed
+alone while ``stagefeed produce`` keeps running (its producers rewind when the new trainer
+welcomes them), and a kill between a checkpoint's model and its state file (the test hook
+``STAGEFEED_TEST_STATE_DELAY_S``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import cli_env, free_tcp_port
+from tests.procs import log_text, wait_log
+from tests.resume_models import EPOCHS, ROWS, counts_in, stream
+
+MODEL = [
+    "--schema", "tests.resume_models:SCHEMA", "--model", "tests.resume_models:row_counter",
+    "--steps", "0", "--warmup-steps", "0", "--checkpoint-every", "5", "--progress-s", "100",
+    "--producer-timeout-s", "4",
+]  # fmt: skip
+SOURCE = ["--source", "tests.resume_models:rows", "--rate", "10"]
+STEPS = 2 * len(stream(0, 2))  # two shards, every pass: 48 steps in all
+TIMEOUT_S = 120
+
+
+def _run(save) -> list[str]:
+    return ["run", "--producers", "2", *MODEL, *SOURCE, "--save", str(save)]
+
+
+def _killed_at(spawn, args: list[str], pattern: str, name: str, env=None):
+    """Start ``args``, SIGKILL its whole process group once ``pattern`` is in its log."""
+    started = spawn(args, name) if env is None else _spawn_env(spawn, args, name, env)
+    assert wait_log(started, pattern, TIMEOUT_S), log_text(started)[-3000:]
+    started.kill_group()
+    return started
+
+
+def _spawn_env(spawn, args, name, env):
+    from tests.conftest import Started
+
+    started = Started(args, env=env, log_path=spawn.folder / f"{name}-{len(spawn.started)}.log")
+    spawn.started.append(started)
+    return started
+
+
+def _finished(started) -> str:
+    assert started.wait(TIMEOUT_S) == 0, log_text(started)[-4000:]
+    return log_text(started)
+
+
+def _check_every_row_trained_exactly_epochs_times(save) -> None:
+    counts = counts_in(str(save / "model.ckpt"))
+    assert counts.shape == (ROWS,)
+    assert np.array_equal(counts, np.full(ROWS, EPOCHS, np.float32)), {
+        "rows not trained EPOCHS times": {int(i): float(counts[i])
+                                          for i in np.flatnonzero(counts != EPOCHS)}
+    }  # fmt: skip
+    with open(save / "state.json") as f:
+        state = json.load(f)
+    assert state["step"] == STEPS and state["finished"] == "every producer's data ended"
+    ends = {s: (p["next"], p["above"], p["end"]) for s, p in state["input"]["streams"].items()}
+    assert ends == {"0": (STEPS // 2, [], STEPS // 2), "1": (STEPS // 2, [], STEPS // 2)}
+
+
+def test_a_run_killed_twice_mid_epoch_resumes_and_trains_every_row_exactly_epochs_times(
+    spawn, tmp_path
+):
+    save = tmp_path / "save"
+    _killed_at(spawn, _run(save), r"step 15: checkpoint", "first")
+    again = _killed_at(spawn, _run(save), r"step 30: checkpoint", "second")
+    assert "resuming from" in log_text(again) and "state-000015.json: step 15" in log_text(again)
+    text = _finished(spawn(_run(save), "last"))
+    assert "state-000030.json: step 30" in text
+    assert f"steps {STEPS - 30} timed (+0 warm-up) - resumed from step 30" in text
+    _check_every_row_trained_exactly_epochs_times(save)
+    # The finished run is not resumed again: one line, exit 2, before TensorFlow.
+    done = spawn(_run(save), "finished")
+    assert done.wait(TIMEOUT_S) == 2
+    assert "holds a finished run" in log_text(done) and "--fresh" in log_text(done)
+
+
+def test_a_trainer_killed_while_its_producers_keep_running_resumes_exactly(spawn, tmp_path):
+    save, port = tmp_path / "save", free_tcp_port()
+    train = ["train", "--bind", f"tcp://127.0.0.1:{port}", *MODEL, "--save", str(save)]
+    producers = spawn(["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2",
+                       "--schema", "tests.resume_models:SCHEMA", *SOURCE], "producers")  # fmt: skip
+    _killed_at(spawn, train, r"step 15: checkpoint", "trainer")
+    assert producers.proc.poll() is None  # they wait for a trainer, holding their batches
+    text = _finished(spawn(train, "trainer-again"))
+    assert "resumed from step 15" in text
+    assert producers.wait(TIMEOUT_S) == 0, log_text(producers)[-3000:]
+    assert "the trainer moved shard" in log_text(producers)
+    _check_every_row_trained_exactly_epochs_times(save)
+
+
+@pytest.mark.parametrize("transport", ["zmq"])
+def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one_in_use(
+    spawn, tmp_path, transport
+):
+    save = tmp_path / "save"
+    slow = cli_env(STAGEFEED_TEST_STATE_DELAY_S="5")
+    args = [*_run(save), "--transport", transport]
+    hook = r"(?s)step 5: checkpoint.*test hook"  # step 10's model written, its state not yet
+    _killed_at(spawn, args, hook, "killed-writing", env=slow)
+    assert (save / "checkpoints" / "model.ckpt-10.index").exists()
+    assert not (save / "checkpoints" / "state-000010.json").exists()
+    text = _finished(spawn(args, "last"))
+    assert "state-000005.json: step 5" in text and "resumed from step 5" in text
+    _check_every_row_trained_exactly_epochs_times(save)
