@@ -88,8 +88,9 @@ class StandInTrainer:
         self._bound = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="standin-trainer", daemon=True)
+        self.bind_error: Exception | None = None
         self._thread.start()
-        assert self._bound.wait(5), "stand-in trainer did not bind"
+        assert self._bound.wait(15), f"stand-in trainer did not bind: {self.bind_error}"
 
     # -- steering (any thread) ---------------------------------------------------------------
 
@@ -123,7 +124,19 @@ class StandInTrainer:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.endpoint)
+        # A restarted stand-in binds the port its predecessor just closed: ZeroMQ closes a
+        # socket in its I/O thread, so the port may be busy a moment longer (on a loaded host).
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                sock.bind(self.endpoint)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    self.bind_error = exc
+                    sock.close(linger=0)
+                    raise
+                time.sleep(0.05)
         self._bound.set()
         try:
             while not self._stop.is_set():
