@@ -163,3 +163,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
             first, where = str(report.longrepr).strip().splitlines()[-1], report.location[0]
         phase = "" if report.when == "call" else f" (in {report.when})"
         terminalreporter.write_line(f"{report.nodeid}{phase}: {first[:500]}  [{where}]")
+
+
+@pytest.fixture
+def pair() -> Iterator:
+    """A producer's ``SlotPool`` and the trainer's ``MappedPool`` of it (tests.shm_pairs)."""
+    from tests.shm_pairs import pairs
+
+    yield from pairs()
