@@ -16,27 +16,40 @@ from tests.conftest import free_tcp_port
 pytestmark = pytest.mark.slow
 
 
-def test_model_fit_on_batches_from_a_producer_process(start_cli):
+def served_feed() -> ServedFeed:
     port = free_tcp_port()
-    options = TrainerOptions(
+    return ServedFeed(TrainerOptions(
         bind=f"tcp://127.0.0.1:{port}", schema=keras_images.SCHEMA, queue_mb=4, stage_depth=2
-    )
-    with ServedFeed(options) as feed:
-        # No batch flags: the producer adopts the schema from the trainer's welcome.
-        producer = start_cli(
-            ["produce", "--connect", feed.endpoint, "--source", "examples.keras_images:batches",
-             "--max-batches", "40"],
-            name="producer",
-        )  # fmt: skip
-        model = keras_images.build_model(feed)
-        history = model.fit(
-            feed.dataset(("images", "labels"), cast="step"),
-            steps_per_epoch=10,
-            epochs=3,
-            callbacks=[feed.callback()],
-            shuffle=False,
-            verbose=0,
-        ).history
+    ))  # fmt: skip
+
+
+def produce(start_cli, feed: ServedFeed, batches: int):
+    """A producer process of ``batches`` batches; no batch flags: it adopts the schema from
+    the trainer's welcome."""
+    return start_cli(
+        ["produce", "--connect", feed.endpoint, "--source", "examples.keras_images:batches",
+         "--max-batches", str(batches)],
+        name="producer",
+    )  # fmt: skip
+
+
+def fit(feed: ServedFeed, epochs: int) -> dict:
+    """``fit`` for ``epochs`` of 10 steps on the feed; its history."""
+    model = keras_images.build_model(feed)
+    return model.fit(
+        feed.dataset(("images", "labels"), cast="step"),
+        steps_per_epoch=10,
+        epochs=epochs,
+        callbacks=[feed.callback()],
+        shuffle=False,
+        verbose=0,
+    ).history
+
+
+def test_model_fit_on_batches_from_a_producer_process(start_cli):
+    with served_feed() as feed:
+        producer = produce(start_cli, feed, 40)
+        history = fit(feed, epochs=3)
         feed.check()
         assert producer.wait(60) == 0, producer.output()
     losses = history["loss"]
@@ -58,29 +71,13 @@ def test_the_dataset_ends_when_every_producer_has_ended_so_fit_needs_no_user_thr
     left and ``fit`` returns: the dataset ends once the producer said ``end`` and the queue is
     drained. Before, ``Epoch 2/2`` waited forever. A watchdog closes the feed after 120 s so
     that a regression fails here instead of hanging the suite."""
-    port = free_tcp_port()
-    options = TrainerOptions(
-        bind=f"tcp://127.0.0.1:{port}", schema=keras_images.SCHEMA, queue_mb=4, stage_depth=2
-    )
-    with ServedFeed(options) as feed:
+    with served_feed() as feed:
         fired = threading.Event()
         watchdog = threading.Timer(120.0, lambda: (fired.set(), feed.close()))
         watchdog.start()
-        producer = start_cli(
-            ["produce", "--connect", feed.endpoint, "--source", "examples.keras_images:batches",
-             "--max-batches", "15"],
-            name="producer",
-        )  # fmt: skip
-        model = keras_images.build_model(feed)
+        producer = produce(start_cli, feed, 15)
         try:
-            history = model.fit(
-                feed.dataset(("images", "labels"), cast="step"),
-                steps_per_epoch=10,
-                epochs=2,
-                callbacks=[feed.callback()],
-                shuffle=False,
-                verbose=0,
-            ).history
+            history = fit(feed, epochs=2)
         finally:
             watchdog.cancel()
         assert not fired.is_set(), "fit hung until the watchdog closed the feed"
