@@ -173,6 +173,10 @@ def _transport_line(s: dict[str, Any]) -> str:
     return line
 
 
+def _per_s(mib: float | None) -> str:
+    return "- MiB/s" if mib is None else f"{size_text(mib)}/s"
+
+
 def _round(value: float, digits: int = 2) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, digits)
 
@@ -198,7 +202,7 @@ def format_text(summary: dict[str, Any]) -> str:
         + (" - interrupted" if s["interrupted"] else "")
         + (" - every producer's data ended" if s.get("data_ended") else ""),
         f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",
-        f"  examples/s {s['examples_per_s']}  received {s['received_mb_per_s']} MiB/s  "
+        f"  examples/s {s['examples_per_s']}  received {_per_s(s['received_mb_per_s'])}  "
         f"stall {s['stall_pct']}%",
         f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})"
         + (
