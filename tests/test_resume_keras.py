@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from tests.conftest import run_cli
+from tests.conftest import free_tcp_port, run_cli
 from tests.procs import log_text, wait_log
 from tests.resume_models import (
     BATCH,
@@ -91,6 +91,26 @@ def test_a_keras_run_killed_twice_mid_epoch_resumes_and_trains_every_row_exactly
     assert trained == {"0": (STEPS // 2, []), "1": (STEPS // 2, [])}
     done = spawn(args, "finished")  # a finished run is not resumed: one line, exit 2
     assert done.wait(TIMEOUT_S) == 2 and "holds a finished run" in log_text(done)
+
+
+def test_a_keras_trainer_killed_while_its_producers_keep_running_resumes_exactly(spawn, tmp_path):
+    save, port = tmp_path / "save", free_tcp_port()
+    train = ["train", "--bind", f"tcp://127.0.0.1:{port}", *MODEL, "--steps", "0",
+             "--checkpoint-every", "5", "--save", str(save)]  # fmt: skip
+    producers = spawn(["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2",
+                       "--schema", "tests.resume_models:SCHEMA", "--source",
+                       "tests.resume_models:rows", "--rate", "4"], "producers")  # fmt: skip
+    _killed_at(spawn, train, r"step 15: checkpoint", "trainer")
+    assert producers.proc.poll() is None  # they wait for a trainer, holding their batches
+    last = spawn(train, "trainer-again")
+    assert last.wait(TIMEOUT_S) == 0, log_text(last)[-4000:]
+    assert f"resumed from step {_resumed_step(log_text(last))}" in log_text(last)
+    assert producers.wait(TIMEOUT_S) == 0, log_text(producers)[-3000:]
+    assert "the trainer moved shard" in log_text(producers)
+    counts, w, iterations = keras_state_in(str(save / "model.keras"))
+    assert np.array_equal(counts, np.full(ROWS, EPOCHS, np.float32)), counts
+    assert iterations == STEPS
+    assert np.isclose(w, keras_reference_w(STEPS), rtol=1e-6, atol=0), w
 
 
 def _rows_of(position: dict) -> np.ndarray:
