@@ -11,8 +11,8 @@ Refused at start (``ConfigError``, one line, exit 2), never resumed silently:
   would overwrite them);
 - the checkpoint is of another ``--model`` or another schema;
 - the run it holds finished (its data ended, or its planned steps are done);
-- a state file from before input positions (``"input": null``): resuming it could not be
-  exact.
+- a state file without an input position (``"input": null``: a cluster's, whose workers'
+  books are not merged, or one from before positions): resuming it could not be exact.
 
 ``--fresh`` starts over: the previous run's files move to ``DIR/previous-<time>/`` (nothing is
 deleted). The number of shards is checked when producers say hello (``common.shard_books``),
@@ -123,8 +123,9 @@ def _checked(
         raise ConfigError(f"--save {options.save_dir!r} holds a finished run ({path}: step "
                           f"{step}, {state['finished']}): nothing to resume; {again}")  # fmt: skip
     if state.get("input") is None:
-        raise ConfigError(f"checkpoint {path} holds no input position: resuming it would "
-                          f"train batches twice or never; {again}")  # fmt: skip
+        raise ConfigError(f"checkpoint {path} holds no input position (a cluster's, or "
+                          "one from before positions were booked): resuming it would train "
+                          f"batches twice or never; {again}")  # fmt: skip
     position = InputPosition.from_dict(state["input"], f"checkpoint {path}")
     epoch = state.get("epoch")
     return Resume(path, step, epoch if isinstance(epoch, int) else None, model_path, position)

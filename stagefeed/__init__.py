@@ -2,7 +2,8 @@
 
 The public API is what ``__all__`` lists; every other module is internal. Producers import
 this package without TensorFlow: ``Producers`` and ``WorkerBook`` (producer processes, what
-``stagefeed produce`` runs), the ``--model`` marks ``graph_model`` / ``keras_model`` and the
+``stagefeed produce`` runs), the ``--model`` marks ``graph_model`` / ``keras_model``, the
+input position a custom loop saves and resumes from (``InputPosition``, docs/resume.md) and the
 trainer-side names (``Feed``, ``ServedFeed``, ``BooksFigures``, ``TrainedStep``, ``Trainer``,
 ``KerasTrainer``, ``ClusterTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and
 ``keep_freed_memory``) are loaded on first use (PEP 562); of those only ``Feed``,
@@ -45,6 +46,7 @@ _LAZY = {
     "BooksFigures": "stagefeed.consumer.tf2.step_books",
     "ClusterTrainer": "stagefeed.consumer.cluster.trainer",
     "Feed": "stagefeed.consumer.tf2.feed",
+    "InputPosition": "stagefeed.common.position",  # no TensorFlow
     "KerasTrainer": "stagefeed.consumer.keras_fit.trainer",
     "Producers": "stagefeed.producer.pool",  # no TensorFlow
     "ServedFeed": "stagefeed.consumer.tf2.served_feed",
@@ -73,6 +75,7 @@ __all__ = [
     "DEFAULT_SCHEMA",
     "DropReason",
     "Feed",
+    "InputPosition",
     "KerasTrainer",
     "NonFiniteLoss",
     "ProducerOptions",

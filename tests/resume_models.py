@@ -63,3 +63,58 @@ def counts_in(prefix: str) -> np.ndarray:
     import tensorflow as tf
 
     return tf.train.load_checkpoint(prefix).get_tensor(COUNTS)
+
+
+LEARNING_RATE = 0.05
+
+
+def keras_counter(schema):
+    """Keras: a ``RowCounter`` layer (``row_counts[ROWS]`` += one-hot of the row ids, in
+    training calls only) and one trainable scalar ``w`` fit to the target ``x`` (ones) by
+    Adam: ``w`` after ``n`` steps depends on ``n`` and on Adam's moments and ``iterations``
+    going on unbroken across restarts (``keras_reference_w``)."""
+    import keras
+
+    ids = keras.Input(shape=(), name="ids", dtype="int32")
+    model = keras.Model(ids, _row_counter_layer()(ids), name="keras_counter")
+    model.compile(keras.optimizers.Adam(LEARNING_RATE), "mse")
+    return model
+
+
+def _row_counter_layer():
+    import keras
+    import tensorflow as tf
+
+    class RowCounter(keras.layers.Layer):
+        def build(self, shape):
+            self.counts = self.add_weight(
+                shape=(ROWS,), initializer="zeros", trainable=False, name=COUNTS
+            )
+            self.w = self.add_weight(shape=(), initializer="zeros", name="w")
+
+        def call(self, ids, training=None):
+            if training:
+                self.counts.assign_add(tf.reduce_sum(tf.one_hot(ids, ROWS), axis=0))
+            return tf.zeros_like(tf.cast(ids, "float32")) + self.w
+
+    return RowCounter(name="counter")
+
+
+def keras_state_in(path: str) -> tuple[np.ndarray, float, int]:
+    """``(row_counts, w, optimizer iterations)`` of a ``.keras`` file of ``keras_counter``."""
+    model = keras_counter(SCHEMA)
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(path)
+    layer = model.get_layer("counter")
+    return layer.counts.numpy(), float(layer.w.numpy()), int(model.optimizer.iterations)
+
+
+def keras_reference_w(steps: int) -> float:
+    """``w`` of ``keras_counter`` after ``steps`` steps of one uninterrupted ``fit``."""
+    import tensorflow as tf
+
+    model = keras_counter(SCHEMA)
+    ids = np.zeros(steps * BATCH, np.int32)
+    data = tf.data.Dataset.from_tensor_slices((ids, np.ones(steps * BATCH, np.float32)))
+    model.fit(data.batch(BATCH), epochs=1, verbose=0, shuffle=False)
+    return float(model.get_layer("counter").w.numpy())

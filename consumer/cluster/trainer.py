@@ -17,6 +17,11 @@ vote; a watcher thread, ``stagefeed-cluster-watch``, closes the feed's queue as 
 verdict is not ``RUNNING``, so a worker waiting for a batch that will not come returns and
 votes. Every worker books the batches its own steps trained, in its own summary; only the chief
 keeps checkpoints and ``--save`` (``consumer.checkpoints``).
+
+No input position (docs/resume.md, Limits): a worker's books hold only the batches its own
+steps trained, and the cluster's position is the union of every worker's, which nothing
+gathers yet; so a cluster's state files hold ``"input": null`` and a ``--save DIR`` holding a
+checkpoint is refused at start (one line, exit 2): ``--fresh`` starts over.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stagefeed.common.errors import BrokenError
+from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer.checkpoints import Checkpoints
 from stagefeed.consumer.cluster import loop
 from stagefeed.consumer.cluster.collective_stop import vote_for
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
@@ -66,6 +72,15 @@ class ClusterTrainer(KerasTrainer):
                  "optimizer and metrics", self.model.name, self.cluster, list(plan.inputs),
                  list(plan.targets))  # fmt: skip
         return self
+
+    def book_positions(self, checkpoints: Checkpoints) -> None:
+        """No position (the module docstring): a checkpoint to resume from is refused."""
+        if checkpoints.resumed is not None:
+            raise ConfigError(
+                f"--save {self.options.save_dir!r} holds a checkpoint ({checkpoints.resumed.path})"
+                " but a cluster does not resume yet: each worker books only the batches it "
+                "trained (docs/resume.md, Limits); pass --fresh to start over"
+            )
 
     def train(self, stop: threading.Event, health_check: Callable[[], None] | None = None) -> None:
         """Train until the cluster's vote ends the run. Raises this worker's own failure

@@ -4,11 +4,16 @@ Same contract as the graph-mode ``Trainer`` (``consumer.trainer_base.TrainerBase
 launcher, the monitor and the summary cannot tell them apart.
 
 Lifecycle: ``start()`` builds and checks the model (``consumer.keras_fit.model_check``: a bad one
-is a
-``ConfigError`` before the feed binds), then binds the ``ServedFeed`` -> ``train(stop)`` runs
-``fit`` for ``options.total_steps`` steps (``epochs`` x ``steps_per_epoch``; 0: until
-stopped or the data ends) -> ``close()`` (idempotent: the feed stops granting credit, its
-queue closes, the intake's threads are joined).
+is a ``ConfigError`` before the feed binds), restores it from the newest checkpoint of
+``--save DIR`` when there is one (docs/resume.md), then binds the ``ServedFeed`` ->
+``train(stop)`` runs ``fit`` for ``options.total_steps`` steps (``epochs`` x
+``steps_per_epoch``; 0: until stopped or the data ends; a resumed run: the steps left after its
+checkpoint, ``consumer.keras_fit.resume_fit``) -> ``close()`` (idempotent: the feed stops
+granting credit, its queue closes, the intake's threads are joined).
+
+With ``--save``, the feed's books hold the input position per shard: ``FeedCallback`` books the
+batches each step trained (never the prefetched tail) and the checkpoint written after that
+step reads them after its model (``consumer.checkpoints``), as graph mode does.
 
 During ``fit``, callbacks on the training thread book each step (``FeedCallback``), turn it
 into a ``StepRecord`` for the observers and the loss policy, and write checkpoints. A named
@@ -28,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 import warnings
@@ -41,10 +45,17 @@ from stagefeed.common.errors import ConfigError, NonFiniteLoss
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import model_ref
-from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
+from stagefeed.consumer.checkpoints import Checkpoints
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.keras_fit.callback import FeedCallback
 from stagefeed.consumer.keras_fit.model_check import check_model
+from stagefeed.consumer.keras_fit.resume_fit import (
+    EpochCut,
+    FitPlan,
+    fit_plan,
+    keras_format,
+    restore_iterations,
+)
 from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
 from stagefeed.consumer.tf2.served_feed import ServedFeed
 from stagefeed.consumer.trainer_base import StepObserver, StepRecord, TrainerBase
@@ -76,6 +87,10 @@ class KerasTrainer(TrainerBase):
         self._failure: BaseException | None = None
         self.checkpoints: Checkpoints | None = None
         self._closed = False
+        # The step this run goes on from: 0, or a resumed run's checkpoint's (docs/resume.md).
+        self.step_base = 0
+        self._stop_lock = threading.Lock()
+        self._stopping = False  # stop_fit was called: nothing lets fit go on
 
     def start(self) -> KerasTrainer:
         from stagefeed.consumer.cluster.strategy import in_cluster  # no TensorFlow op
@@ -110,12 +125,22 @@ class KerasTrainer(TrainerBase):
         plan = check_model(ref, model, self.schema, options.targets)
         self.model = model
         if options.save_dir is not None:
-            self.checkpoints = Checkpoints(options, keras_format(model))
+            self.checkpoints = Checkpoints(options, keras_format(model))  # restores, resuming
+            self.book_positions(self.checkpoints)
         self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
         self._dataset = self.feed.dataset(plan.mapping(), strategy=strategy, cast="step")
         return plan
+
+    def book_positions(self, checkpoints: Checkpoints) -> None:
+        """With ``--save``: book the input position per shard (restored from the checkpoint
+        resumed, whose model ``checkpoints`` restored), before the feed binds; the step
+        counter and ``optimizer.iterations`` go on from the checkpoint's step."""
+        assert self.model is not None
+        self.step_base = self.resume_books(checkpoints)
+        if checkpoints.resumed is not None:
+            restore_iterations(self.model, self.step_base)
 
     @property
     def queue_batches(self) -> int:
@@ -131,26 +156,40 @@ class KerasTrainer(TrainerBase):
         a non-finite loss under ``on_nan="stop"`` (nothing is saved then).
         """
         assert self.feed is not None and self.model is not None
-        options = self.options
-        total = options.total_steps
+        plan = fit_plan(self.options, self.step_base)
+        if plan is None:  # a checkpoint of the run's last step: nothing left to train
+            log.info("the run's %d steps were done before the checkpoint", self.step_base)
+        else:
+            self._fit(plan, stop, health_check)
+        if self.checkpoints is not None:
+            self.checkpoints.final(self.steps_done, self.finished(self.steps_done))
+
+    def _fit(
+        self, plan: FitPlan, stop: threading.Event, health_check: Callable[[], None] | None
+    ) -> None:
+        """``fit`` by ``plan`` (``resume_fit.FitPlan``), then the verdict; raises a failure."""
+        assert self.feed is not None and self.model is not None
         iterations_before = int(self.model.optimizer.iterations)
         watch = _Watch(self, stop, health_check).start()
         books = self.feed.callback()
         callbacks: list[keras.callbacks.Callback] = [books, _Steps(self, books)]
+        if plan.first_epoch_steps:  # first: the feed's end of data may still stop fit
+            callbacks.insert(0, EpochCut(plan.first_epoch_steps, self._go_on))
         try:
             with warnings.catch_warnings():  # the data ending inside an epoch is expected
                 warnings.filterwarnings("ignore", message=".*ran out of data")
                 self.model.fit(
                     self._dataset,
-                    epochs=options.epochs if options.steps_per_epoch else 1,
-                    steps_per_epoch=(options.steps_per_epoch or total) or None,
+                    epochs=plan.epochs,
+                    initial_epoch=plan.initial_epoch,
+                    steps_per_epoch=plan.steps_per_epoch,
                     callbacks=callbacks,
                     shuffle=False,  # a stream: producers decide the order
                     verbose=0,
                 )
         finally:
             watch.close()
-        _count_trained_steps_only(self.model, iterations_before + self.steps_done)
+        _count_trained_steps_only(self.model, iterations_before + self.steps_done - self.step_base)
         figures = self.feed.figures()
         self._queued = figures.in_queue
         verdict = watch.run_end.verdict
@@ -162,15 +201,27 @@ class KerasTrainer(TrainerBase):
             self._failure = verdict.failure
         if self._failure is not None:
             raise self._failure
-        if self.checkpoints is not None:
-            self.checkpoints.final(self.steps_done)
+
+    def stop_fit(self) -> None:
+        """``fit`` stops after the current step, and nothing lets it go on (any thread)."""
+        assert self.model is not None
+        with self._stop_lock:
+            self._stopping = True
+            self.model.stop_training = True
+
+    def _go_on(self) -> None:
+        """(``EpochCut``) ``fit`` goes on to its next epoch, unless the run is stopping."""
+        assert self.model is not None
+        with self._stop_lock:
+            if not self._stopping:
+                self.model.stop_training = False
 
     def fail(self, failure: BaseException) -> None:
         """Stop ``fit`` after the current step; ``train`` raises ``failure`` once it returned."""
         if self._failure is None:
             self._failure = failure
         assert self.model is not None and self.feed is not None
-        self.model.stop_training = True
+        self.stop_fit()
         self.feed.queue.close()
 
     def after_step(self, record: StepRecord, in_queue: int) -> None:
@@ -213,18 +264,6 @@ def _count_trained_steps_only(model: keras.Model, trained: int) -> None:
         iterations.assign(trained)
 
 
-def keras_format(model: keras.Model) -> ModelFormat:
-    """``model.save``: the whole model (weights and optimizer) as one ``.keras`` file."""
-
-    def save(path: str) -> list[str]:
-        model.save(path)
-        return [os.path.basename(path)]
-
-    return ModelFormat(
-        final="model.keras", at_step=lambda step: f"step-{step:06d}.keras", save=save
-    )
-
-
 class _Steps(keras.callbacks.Callback):
     """After ``FeedCallback`` has booked a step: its ``StepRecord``, to the trainer."""
 
@@ -246,7 +285,7 @@ class _Steps(keras.callbacks.Callback):
         assert figures is not None
         elapsed = now - self._last_end
         wait = min(max(figures.wait_s - self._wait_s, 0.0), elapsed)
-        step = figures.steps
+        step = trainer.step_base + figures.steps
         loss = (logs or {}).get("loss")
         trainer.metrics_last = {
             name: float(value)
@@ -299,7 +338,7 @@ class _Watch:
             assert verdict.failure is not None
             trainer.fail(verdict.failure)
         elif verdict.ending is Ending.STOP:
-            trainer.model.stop_training = True
+            trainer.stop_fit()
             trainer.feed.queue.close()
         elif verdict.ending is Ending.DRAIN:
             trainer.feed.queue.close()  # the queued tail is trained, then fit ends

@@ -26,18 +26,28 @@ hello), it closes the queue: the dataset yields what is queued, then ends (``fit
 the end of that epoch, a ``for`` loop over the dataset ends). A failed intake closes the queue
 too and ``check()`` raises the failure. ``KerasTrainer`` watches its run itself
 (``end_watch=False``: it adds a stop event and the producers' health to the same rule).
+
+Resume (docs/resume.md, "A custom loop"): ``ServedFeed(options, positions=True)`` books, per
+shard, the batches its steps trained (the steps booked with ``books.step_done()``, or by the
+Keras callback); ``position()``, read after the user saved their model, is what that model has
+trained. ``ServedFeed(options, resume=position)`` starts from it: a producer's welcome names
+the first batch its shard still owes (a seekable source starts there), and a batch of the
+position that comes again is dropped as ``already_trained``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.position import InputPosition
+from stagefeed.common.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
 from stagefeed.consumer.memory import malloc_policy
 from stagefeed.consumer.run_end import Ending, RunEnd
@@ -52,7 +62,9 @@ JOIN_TIMEOUT_S = 3.0
 
 class ServedFeed(Feed):
     """A ``Feed`` bound on ``options.bind``; ``ledger`` holds the books (a new one unless
-    given), ``endpoint`` the address producers connect to."""
+    given), ``endpoint`` the address producers connect to. ``positions``: book the input
+    position per shard (``position()``); ``resume``: an ``InputPosition`` (or its
+    ``to_dict()``, e.g. read back from JSON) to start from, which implies ``positions``."""
 
     def __init__(
         self,
@@ -62,8 +74,18 @@ class ServedFeed(Feed):
         *,
         end_watch: bool = True,
         end_grace_s: float = END_GRACE_S,
+        positions: bool = False,
+        resume: InputPosition | Mapping[str, Any] | None = None,
     ) -> None:
         self.ledger = Ledger() if ledger is None else ledger
+        if resume is not None or positions:
+            if self.ledger.shards is not None:
+                raise ConfigError("resume/positions: the ledger given books positions already")
+            if resume is not None and not isinstance(resume, InputPosition):
+                resume = InputPosition.from_dict(resume, "ServedFeed(resume=...)")
+            self.ledger.shards = ShardBooks(resume)
+            if resume is not None:
+                log.info("the feed resumes from: %s", _describe(resume))
         super().__init__(
             options.schema,
             options.queue_capacity,
@@ -96,6 +118,18 @@ class ServedFeed(Feed):
         """Raise ``BrokenError`` if the intake failed (call between epochs or steps)."""
         self.intake.check()
 
+    def position(self) -> InputPosition:
+        """What the booked steps trained, per shard (a copy): read it after saving the model,
+        and pass it back as ``ServedFeed(options, resume=...)``. ``ConfigError`` if this feed
+        books no positions (made without ``positions=True`` or ``resume``)."""
+        books = self.ledger.shards
+        if books is None:
+            raise ConfigError(
+                "this feed books no input position: make it with ServedFeed(options, "
+                "positions=True), or resume=POSITION"
+            )
+        return books.position()
+
     def producer_name(self, peer: int) -> str:
         """The name the books give connection ``peer`` (a ``TrainedStep``'s ``peers``)."""
         return self.ledger.name(peer)
@@ -121,3 +155,12 @@ class ServedFeed(Feed):
         self.intake.stop_granting()
         super().close()
         self.intake.close()
+
+
+def _describe(position: InputPosition) -> str:
+    """``shard 0 at 57 (+1 above), shard 1 at 96``: the first batch each shard still owes."""
+    streams = [
+        f"shard {shard} at {p.next}" + (f" (+{len(p.above)} above)" if p.above else "")
+        for shard, p in sorted(position.streams.items())
+    ]
+    return ", ".join(streams) or "nothing trained yet"

@@ -1,0 +1,116 @@
+"""A Keras run's checkpoint, and ``fit`` going on from one (docs/resume.md).
+
+``keras_format(model)`` saves the whole model (weights, non-trainable state, optimizer) as one
+``.keras`` file, and restores it into the model ``--model`` just built: the optimizer is built
+first, so that ``load_weights`` fills its slots and ``iterations`` instead of skipping them (a
+skipped part is a ``ConfigError``, never a silent half-restore).
+
+``fit_plan(options, step)``: what ``fit`` is asked for to train the steps left after ``step``
+(the checkpoint's): ``initial_epoch`` is the epoch that step is in, and when it is inside an
+epoch, ``EpochCut`` ends that first epoch after the steps it has left. ``fit`` keeps one
+iterator across epochs when ``steps_per_epoch`` is given (Keras 3's ``EpochIterator``), so
+cutting an epoch short drops no prefetched batch: the next epoch goes on with the same
+iterator. No position here: the batches are booked by ``FeedCallback`` (the trainer's books).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from collections.abc import Callable
+
+import keras
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer.checkpoints import ModelFormat
+
+log = logging.getLogger(__name__)
+
+
+def keras_format(model: keras.Model) -> ModelFormat:
+    """``model.save``: the whole model (weights and optimizer) as one ``.keras`` file;
+    ``restore``: ``load_weights`` of that file into ``model``, its optimizer built first."""
+
+    def save(path: str) -> list[str]:
+        model.save(path)
+        return [os.path.basename(path)]
+
+    def restore(path: str) -> None:
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)  # its slots exist: they are loaded
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.load_weights(path)
+        skipped = [str(w.message) for w in caught if "Skipping variable loading" in str(w.message)]
+        if skipped:
+            why = " ".join(skipped[0].split())
+            raise ConfigError(f"checkpoint {path} does not fit the model: {why}; pass --fresh "
+                              "to start over")  # fmt: skip
+
+    return ModelFormat(
+        final="model.keras",
+        at_step=lambda step: f"step-{step:06d}.keras",
+        save=save,
+        restore=restore,
+    )
+
+
+def restore_iterations(model: keras.Model, step: int) -> None:
+    """``optimizer.iterations`` is the checkpoint's ``step`` after a restore (a schedule reads
+    it); said in the log when the file held another count."""
+    iterations = model.optimizer.iterations
+    if int(iterations) != step:
+        log.info("optimizer.iterations %d -> %d: the checkpoint's step", int(iterations), step)
+        iterations.assign(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+    """``fit``'s ``epochs``, ``initial_epoch`` and ``steps_per_epoch`` for the steps left;
+    ``first_epoch_steps``: the steps left in the first epoch when a checkpoint fell inside it
+    (0: the first epoch is whole)."""
+
+    epochs: int
+    initial_epoch: int
+    steps_per_epoch: int | None
+    first_epoch_steps: int = 0
+
+
+def fit_plan(options: TrainerOptions, step: int) -> FitPlan | None:
+    """The plan to train the run's steps after ``step``; None if none are left."""
+    per_epoch, total = options.steps_per_epoch, options.total_steps
+    if total and step >= total:
+        return None
+    if per_epoch:
+        left = -step % per_epoch  # steps left in the epoch the checkpoint fell in (0: none)
+        return FitPlan(options.epochs, step // per_epoch, per_epoch, left)
+    return FitPlan(1, 0, total - step if total else None)
+
+
+class EpochCut(keras.callbacks.Callback):
+    """Ends ``fit``'s first epoch after ``steps`` steps (``stop_training`` at that step's end),
+    then lets ``fit`` go on to the next epoch (``go_on``, at that epoch's end: it clears the
+    flag unless the run is stopping). Put it first: a later ``on_epoch_end`` (the feed's
+    end of data) may still stop ``fit``."""
+
+    def __init__(self, steps: int, go_on: Callable[[], None]) -> None:
+        super().__init__()
+        self.steps = steps
+        self.go_on = go_on
+        self._armed = steps > 0
+        self._cut = False
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._armed and batch + 1 >= self.steps:
+            self._armed, self._cut = False, True
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._cut:
+            self._cut = False
+            log.info("epoch %d: the %d steps it had left after the checkpoint are done",
+                     epoch + 1, self.steps)  # fmt: skip
+            self.go_on()
