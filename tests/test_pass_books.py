@@ -32,7 +32,10 @@ def test_a_resumed_position_gives_the_epoch_whose_passes_are_all_trained():
     position.streams[1] = StreamPosition(29, {30}, None, [30])
     assert epoch_of(position) == 0  # batch 29 of shard 1 (pass 0) is not trained
     books = PassBooks(3, position)
-    assert (books.shards, books.epoch, books.ends) == (2, 0, {0: [30, 60], 1: [30]})
+    assert (books.shards, books.epoch, books.ends) == (2, 0, {0: [], 1: []})
+    books = PassBooks(3, InputPosition(2, {0: StreamPosition(61, set(), None, [30, 60]),
+                                           1: StreamPosition(35, set(), None, [30])}))
+    assert (books.epoch, books.ends) == (1, {0: [30], 1: [30]})  # pass 1 is said again
 
 
 def test_pass_ends_round_trip_in_the_position_and_older_files_read_as_before():

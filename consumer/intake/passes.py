@@ -59,8 +59,9 @@ class PassBooks:
         self.boundaries: list[tuple[int, int]] = []
         if resumed is not None and any(s.passes for s in resumed.streams.values()):
             self.shards = resumed.shards
-            self.ends = {k: list(s.passes) for k, s in resumed.streams.items()}
             self.epoch = self.first_epoch = epoch_of(resumed)
+            # Ends of passes not all trained are said again by the producers that redo them.
+            self.ends = {k: list(s.passes[: self.epoch]) for k, s in resumed.streams.items()}
 
     @property
     def active(self) -> bool:
