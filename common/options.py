@@ -188,6 +188,8 @@ class TrainerOptions:
     shm_producers: int = 1  # same-host producers the pools are sized for (docs/shm.md)
     # How long a run is: ``steps_per_epoch`` > 0 makes it ``epochs x steps_per_epoch`` steps,
     # warm-up included (``steps`` is then not used); else ``warmup_steps + steps`` in one epoch.
+    # ``epochs`` is also the passes producers whose sources make passes make (docs/resume.md,
+    # "Passes"): an epoch is then every shard's pass, as long as the data says.
     epochs: int = 1
     steps_per_epoch: int = 0
     save_dir: str | None = None  # what was trained is saved here at the end (docs/tf2.md)
@@ -273,11 +275,6 @@ class TrainerOptions:
             if type(value) is not int or value < (1 if name == "epochs" else 0):
                 bound = ">= 1" if name == "epochs" else ">= 0"
                 raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
-        if self.epochs > 1 and not self.steps_per_epoch:
-            raise ConfigError(
-                f"epochs={self.epochs} needs steps_per_epoch: an epoch of an endless stream "
-                "has no end of its own"
-            )
         if self.checkpoint_every and self.save_dir is None:
             raise ConfigError(
                 f"checkpoint_every={self.checkpoint_every} needs save_dir: checkpoints go to "

@@ -21,6 +21,10 @@ when its producer is gone.
      "streams": {"0": {"next": 57, "above": [59], "end": null},
                  "1": {"next": 96, "above": [], "end": 96}}}
 
+``passes`` (a stream's key only once its producer ended a pass: sources with passes,
+docs/resume.md "Passes") is where each ended pass of the shard ended, ascending ``seq``s:
+pass ``k`` is batches ``passes[k-1]..passes[k]-1``.
+
 ``approximate`` lists the shards whose source could not seek (the producer fast-forwarded
 it): their position is exact only if that source replays the same batches.
 
@@ -48,6 +52,7 @@ class StreamPosition:
     next: int = 0
     above: set[int] = dataclasses.field(default_factory=set)
     end: int | None = None  # the stream's length, once its producer said ``end``
+    passes: list[int] = dataclasses.field(default_factory=list)  # where each ended pass ended
 
     def __contains__(self, seq: int) -> bool:
         return seq < self.next or seq in self.above
@@ -63,7 +68,8 @@ class StreamPosition:
     def union(self, other: StreamPosition) -> StreamPosition:
         """Batches trained in either (every batch below the larger ``next`` is in one)."""
         ends = [e for e in (self.end, other.end) if e is not None]
-        out = StreamPosition(max(self.next, other.next), set(), max(ends) if ends else None)
+        out = StreamPosition(max(self.next, other.next), set(), max(ends) if ends else None,
+                             list(max(self.passes, other.passes, key=len)))  # fmt: skip
         for seq in sorted(self.above | other.above):
             if seq >= out.next:
                 out.add(seq)
@@ -82,20 +88,26 @@ class StreamPosition:
         return runs
 
     def to_dict(self) -> dict[str, Any]:
-        return {"next": self.next, "above": sorted(self.above), "end": self.end}
+        out = {"next": self.next, "above": sorted(self.above), "end": self.end}
+        return {**out, "passes": list(self.passes)} if self.passes else out
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> StreamPosition:
-        if not isinstance(data, Mapping) or set(data) != {"next", "above", "end"}:
+        if not isinstance(data, Mapping) or set(data) - {"passes"} != {"next", "above", "end"}:
             raise ConfigError(f"{where}: expected {{next, above, end}}, got {str(data)[:80]}")
         nxt, above, end = data["next"], data["above"], data["end"]
+        passes = data.get("passes", [])
+        if not isinstance(passes, list) or not all(_count(s) for s in passes) or any(
+            a > b for a, b in zip(passes, passes[1:], strict=False)
+        ):
+            raise ConfigError(f"{where}: passes must be ascending counts, got {str(passes)[:80]}")
         if not _count(nxt) or not isinstance(above, list) or not all(_count(s) for s in above):
             raise ConfigError(f"{where}: next and above must be counts, got {str(data)[:80]}")
         if any(s <= nxt for s in above):
             raise ConfigError(f"{where}: every 'above' must be past next={nxt}")
         if end is not None and not _count(end):
             raise ConfigError(f"{where}: end must be a count or null, got {end!r}")
-        return cls(nxt, set(above), end)
+        return cls(nxt, set(above), end, passes)
 
 
 def skip_of(ranges: Iterable[Iterable[int]]) -> Iterator[int]:

@@ -28,6 +28,10 @@ producer:
   that carries one (``header_fields``), which is what it saw of a failed producer then (no
   ``end`` at all); a normal end is the same message as ever.
 - ``ping``   ``{}``: still here (sent while idle, so the trainer keeps its credit).
+- ``end_pass`` ``{"seq": int, "pass": int}``: (a hello that said ``passes``) pass ``pass`` of
+  this shard ended: its batches are ``..seq-1``, the next pass starts at ``seq``. Sent after
+  the pass's last batch; the producer's unused credit returns to the trainer, and it makes
+  no batch of the next pass before ``next_pass`` (docs/resume.md, "Passes").
 
 From the trainer:
 
@@ -39,6 +43,10 @@ From the trainer:
   that books positions: ``--save``): the shard's first batch to send and ``[first, last]``
   ranges above it not to send (trained, or in flight), at most ``MAX_RANGES`` of them
   (``resume_of_welcome`` checks them).
+  ``pass``, ``pass_start``, ``pass_count`` (together, only to a hello that said ``passes``): the
+  pass to make now, the ``seq`` it starts at, and how many passes the trainer trains.
+- ``next_pass`` ``{"pass": int}``: every shard ended the pass before and it was trained: make
+  pass ``pass``. The producer's credit is 0 again; ``credit`` follows.
 - ``refused`` ``{"reason": str, "detail": str}``: hello refused (schema mismatch, limits).
 - ``credit``  ``{"n": int}``: the producer may send ``n`` more batches.
 - ``dropped`` ``{"seq": int, "reason": str, "detail": str}``: a batch was refused, and why.
@@ -80,8 +88,10 @@ PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 16384
 MAX_DETAIL_LEN = 300
 MAX_PRODUCER_NAME = 64
-FROM_PRODUCER = frozenset(["hello", "batch", "shm_batch", "end", "ping"])
-FROM_TRAINER = frozenset(["welcome", "refused", "credit", "dropped", "release", "bye"])
+FROM_PRODUCER = frozenset(["hello", "batch", "shm_batch", "end", "ping", "end_pass"])
+FROM_TRAINER = frozenset(
+    ["welcome", "refused", "credit", "dropped", "release", "bye", "next_pass"]
+)
 # Why a producer said ``end`` (its bye): values are stable, they label a metric.
 END_OK = "ok"
 END_SOURCE_ERROR = "source_error"
@@ -94,6 +104,8 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "shm_batch": {"seq": (int,), "desc": (dict,)},
     "end": {"seq": (int,)},
     "ping": {},
+    "end_pass": {"seq": (int,), "pass": (int,)},
+    "next_pass": {"pass": (int,)},
     "welcome": {"schema": (dict,), "max_message": (int,), "credit": (int,)},
     "refused": {"reason": (str,), "detail": (str,)},
     "credit": {"n": (int,)},
@@ -105,10 +117,11 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 # is accepted).
 _OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
     "hello": ({"shm": (bool,)}, {"session": (str,)},
-              {"shard": (int,), "shards": (int,), "seek": (bool,)}),
+              {"shard": (int,), "shards": (int,), "seek": (bool,)}, {"passes": (bool,)}),
     "end": ({"reason": (str,), "detail": (str,)},),
     "welcome": ({"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},
-                {"start": (int,), "skip": (list,)}),
+                {"start": (int,), "skip": (list,)},
+                {"pass": (int,), "pass_start": (int,), "pass_count": (int,)}),
 }
 SESSION = re.compile(r"[0-9a-f]{32}")
 _INT_RANGE = {
@@ -122,6 +135,9 @@ _INT_RANGE = {
     "shard": (0, MAX_SHARDS),
     "shards": (1, MAX_SHARDS + 1),
     "start": (0, 2**63),
+    "pass": (0, 2**31),
+    "pass_start": (0, 2**63),
+    "pass_count": (1, 2**31),
 }
 
 
@@ -312,6 +328,16 @@ def shard_of_hello(header: Mapping[str, Any]) -> tuple[int, int, bool] | None:
     if "shard" not in header:
         return None
     return header["shard"], header["shards"], header["seek"]
+
+
+def passes_of_welcome(header: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """``(pass, pass_start, pass_count)`` of a welcome to a hello that said ``passes``, else
+    None; ``ProtocolError`` if the pass is past ``pass_count``."""
+    if "pass" not in header:
+        return None
+    if header["pass"] > header["pass_count"]:
+        raise ProtocolError(DropReason.HEADER_FIELDS, "welcome.pass past pass_count", "welcome")
+    return header["pass"], header["pass_start"], header["pass_count"]
 
 
 def resume_of_welcome(header: Mapping[str, Any]) -> tuple[int, list[list[int]]] | None:

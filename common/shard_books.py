@@ -90,6 +90,12 @@ class ShardBooks:
         with self._lock:
             self._position.of(shard).end = end
 
+    def pass_ended(self, shard: int, ends: list[int]) -> None:
+        """Where each ended pass of ``shard`` ended (``consumer.intake.passes``), for the
+        position."""
+        with self._lock:
+            self._position.of(shard).passes = list(ends)
+
     def missing(self) -> dict[int, int]:
         """Shards not complete: their first batch neither trained nor in flight (known
         shards only; {} while no shard is known)."""
@@ -126,6 +132,8 @@ class ShardBooks:
         with self._lock:
             out = InputPosition(self._position.shards, approximate=set(self._position.approximate))
             for shard, stream in self._position.streams.items():
-                out.streams[shard] = StreamPosition(stream.next, set(stream.above), stream.end)
+                out.streams[shard] = StreamPosition(
+                    stream.next, set(stream.above), stream.end, list(stream.passes)
+                )
             return out
 

@@ -95,6 +95,8 @@ class TrainerBase:
         self.endpoint = ""
         self._configure_server = configure_server
         self._intake: Any = None
+        self.epochs_of_passes = 0  # epochs of passes trained (docs/resume.md, "Passes")
+        self._epoch_began = 0
 
     @property
     def transport(self) -> str:
@@ -178,3 +180,15 @@ class TrainerBase:
             return False
         log.info("epoch %d/%d done (%d steps)", step // per_epoch, self.options.epochs, step)
         return True
+
+    def passes_ended(self, trained: int) -> None:
+        """Log each epoch of passes (docs/resume.md, "Passes") that the first ``trained``
+        batches this process trained complete: every shard's pass, and nothing of the next."""
+        passes = self._intake.passes if self._intake is not None else None
+        if passes is None:
+            return
+        for epoch, at in passes.ended_by(trained, self.epochs_of_passes):
+            log.info("epoch %d/%d done: %d steps (every shard's pass %d)", epoch + 1,
+                     passes.pass_count, at - self._epoch_began, epoch)  # fmt: skip
+            self._epoch_began = at
+            self.epochs_of_passes += 1

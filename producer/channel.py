@@ -61,10 +61,12 @@ from stagefeed.producer.handoff import (
     Credit,
     Drained,
     Dropped,
+    EndPass,
     EventQueue,
     Failed,
     Finish,
     Lost,
+    NextPass,
     Outgoing,
     Released,
     Repositioned,
@@ -147,6 +149,7 @@ class TrainerChannel:
         self.welcome: Welcome | None = None
         # The latest ``Repositioned`` since ``open``: a later welcome moved this shard.
         self.repositioned: tuple[int, list[list[int]]] | None = None
+        self.trainer_pass = 0  # the pass the trainer is in (``NextPass``)
         self._accepted = 0
         self._sent = 0
         self._released = 0
@@ -299,6 +302,14 @@ class TrainerChannel:
             self._wait(stop)
         return self.drained
 
+    def end_pass(self, seq: int, pass_: int, stop: Any, wait: bool = True) -> None:
+        """Say pass ``pass_`` ended at ``seq`` (after what is held); with ``wait``, wait until
+        the trainer is in a later pass or moved this shard (``repositioned``)."""
+        self._require_open()
+        self._command(EndPass(seq, pass_))
+        while wait and self.trainer_pass <= pass_ and self.repositioned is None:
+            self._wait(stop)
+
     def begin_finish(self, count: int, deadline: float, reason: str, detail: str) -> None:
         """``finish`` without waiting: ``drained`` is set once it is done."""
         self._require_open()
@@ -396,6 +407,9 @@ class TrainerChannel:
             self._refused[event.reason] += 1
         elif isinstance(event, Welcomed):
             self.welcome = event.welcome
+            self.trainer_pass = event.welcome.passes[0] if event.welcome.passes else 0
+        elif isinstance(event, NextPass):
+            self.trainer_pass = max(self.trainer_pass, event.pass_)
         elif isinstance(event, Repositioned):
             self.repositioned = event.resume
         elif isinstance(event, Drained):

@@ -1,8 +1,9 @@
 """What the producer's main loop and its channel thread pass each other, and nothing else.
 
-Commands go to the channel thread (``Outgoing``, ``Finish``, ``Shutdown``) on a queue with a
-wake-up pipe; events come back (``Welcomed``, ``Credit``, ``Sent``, ``Released``,
-``Returned``, ``Dropped``, ``Lost``, ``Drained``, ``Failed``) on an ``EventQueue``. The two
+Commands go to the channel thread (``Outgoing``, ``EndPass``, ``Finish``, ``Shutdown``) on a
+queue with a wake-up pipe; events come back (``Welcomed``, ``Credit``, ``Sent``, ``Released``,
+``Returned``, ``Dropped``, ``Lost``, ``NextPass``, ``Drained``, ``Failed``) on an
+``EventQueue``. The two
 threads share no other state: a failure of the channel thread travels as a ``Failed`` event
 and is re-raised in the main loop.
 """
@@ -31,6 +32,8 @@ class Welcome:
     credit: int
     max_unsent: int
     resume: tuple[int, list[list[int]]] | None = None
+    # To a hello that said ``passes``: ``(pass, pass_start, pass_count)`` (docs/resume.md).
+    passes: tuple[int, int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -56,6 +59,22 @@ class Finish:
     deadline: float
     reason: str = "ok"
     detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class EndPass:
+    """Pass ``pass_`` ended at batch ``seq``: ``end_pass`` once every batch before it went,
+    and again after each later welcome, until the trainer moves past that pass."""
+
+    seq: int
+    pass_: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NextPass:
+    """The trainer is in pass ``pass_`` (its ``next_pass``, or a later welcome)."""
+
+    pass_: int
 
 
 @dataclasses.dataclass(frozen=True)

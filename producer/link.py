@@ -52,6 +52,7 @@ from stagefeed.common.errors import BrokenError, StagefeedError
 from stagefeed.common.schema import Schema
 from stagefeed.producer.handoff import (
     Drained,
+    EndPass,
     Failed,
     Finish,
     Outgoing,
@@ -121,6 +122,8 @@ class Link:
         self._finish: Finish | None = None
         self._drained = False
         self._end_sent = False
+        self._end_pass: EndPass | None = None
+        self._end_pass_said = 0  # the welcome count when end_pass last went
         self._linger_ms = 0
         self._last_send = 0.0
 
@@ -211,6 +214,8 @@ class Link:
                 self._outbox.append(command)
             elif isinstance(command, Finish):
                 self._finish = command
+            elif isinstance(command, EndPass):
+                self._end_pass, self._end_pass_said = command, -1
             elif isinstance(command, Shutdown):
                 self._linger_ms = command.linger_ms
                 return False
@@ -298,6 +303,13 @@ class Link:
             else:  # every frame was copied: no buffer of ours is left in ZeroMQ
                 out.frames = []
                 self._events.put(Released(out.seq))
+        due = self._end_pass
+        if due is not None and due.pass_ < session.trainer_pass:
+            self._end_pass = None  # the trainer went on
+        elif due is not None and not self._outbox and self._end_pass_said != session.welcomes:
+            if not self._send_control("end_pass", seq=due.seq, **{"pass": due.pass_}):
+                return
+            self._end_pass_said = session.welcomes  # said again on a later connection
         if self._finish is not None and not self._outbox and not self._end_sent:
             if not self._send_control("end", **_end_fields(self._finish)):
                 return

@@ -42,7 +42,15 @@ from stagefeed.common.errors import BrokenError, ConfigError, DropReason, Protoc
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.schema import Schema, SchemaMismatch
 from stagefeed.common.throttle import LogThrottle
-from stagefeed.producer.handoff import Credit, Dropped, Lost, Repositioned, Welcome, Welcomed
+from stagefeed.producer.handoff import (
+    Credit,
+    Dropped,
+    Lost,
+    NextPass,
+    Repositioned,
+    Welcome,
+    Welcomed,
+)
 from stagefeed.producer.shm_lane import ShmOffer
 
 log = logging.getLogger(__name__)
@@ -90,6 +98,7 @@ class Session:
         self._said_unreachable = False
         self._credit = 0
         self.lost = 0  # connections to the trainer lost so far
+        self.trainer_pass = 0  # the pass the trainer is in (a hello that said ``passes``)
         self._reset(connected=False)
 
     @property
@@ -177,6 +186,10 @@ class Session:
         elif kind == "release":
             if self._on_release is not None:
                 self._on_release(header["pool"], header["slot"], header["gen"])
+        elif kind == "next_pass":  # credit is 0 again, grants follow (protocol)
+            if self.welcomed:
+                self.credit = 0
+            self._pass_is(header["pass"])
         elif kind == "bye":
             self.credit = 0
             if not self._bye:
@@ -200,6 +213,7 @@ class Session:
         agreed = self.schema or schema
         try:
             resume = protocol.resume_of_welcome(header)
+            passes = protocol.passes_of_welcome(header)
         except ProtocolError as exc:
             raise BrokenError(f"welcome from {self.endpoint}: {exc}") from None
         size = message_bytes(agreed)
@@ -218,16 +232,24 @@ class Session:
         )
         if self.welcome is not None:
             log.info("trainer at %s welcomed us again (credit %d)", self.endpoint, self.credit)
+            if passes is not None:
+                self._pass_is(passes[0])
             if resume is not None:
                 self._post(Repositioned(resume))
             return None
         self.schema = agreed
         max_unsent = self._max_unsent_of(agreed)
         self.welcome = Welcome(
-            agreed, header["max_message"], header["credit"], max_unsent, resume
+            agreed, header["max_message"], header["credit"], max_unsent, resume, passes
         )
+        self.trainer_pass = passes[0] if passes is not None else 0
         self._post(Welcomed(self.welcome))
         return self.welcome
+
+    def _pass_is(self, pass_: int) -> None:
+        if pass_ > self.trainer_pass:
+            self.trainer_pass = pass_
+            self._post(NextPass(pass_))
 
     def _on_refused(self, header: dict[str, Any], now: float) -> None:
         reason = header["reason"]

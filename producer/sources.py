@@ -72,6 +72,9 @@ class WorkerInfo:
     source (``is_seekable``) honours it; any other is read from its first batch and the
     producer discards the batches before ``start`` (exact only if the source replays the
     same batches: the trainer calls that shard's position approximate).
+
+    ``epoch``: the pass a *passing* source (``is_passing``) makes in this call (0, 1, ...;
+    docs/resume.md, "Passes"); its ``start`` then counts from the pass's first batch.
     """
 
     index: int
@@ -79,14 +82,15 @@ class WorkerInfo:
     producer_id: str
     seed: int
     start: int = 0
+    epoch: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("index", "count", "seed", "start"):
+        for name in ("index", "count", "seed", "start", "epoch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"WorkerInfo.{name} must be an integer, got {value!r}")
-        if self.start < 0:
-            raise ConfigError(f"WorkerInfo.start must be >= 0, got {self.start}")
+        if self.start < 0 or self.epoch < 0:
+            raise ConfigError(f"WorkerInfo.start and epoch must be >= 0, got {self!r}")
         if not 0 <= self.index < self.count:
             raise ConfigError(f"WorkerInfo.index {self.index} is not in [0, {self.count})")
         if not isinstance(self.producer_id, str) or not self.producer_id:
@@ -118,6 +122,13 @@ def is_seekable(factory: SourceFactory | None) -> bool:
     """Whether a source factory declared it can start at any batch of its stream
     (``factory.seekable = True``: it reads ``worker.start``). The synthetic source need not."""
     return getattr(factory, "seekable", False) is True
+
+
+def is_passing(factory: SourceFactory | None) -> bool:
+    """Whether a source factory makes one pass of its shard per call (``factory.passes =
+    True``: it reads ``worker.epoch``), so the producer can wait for the trainer between
+    passes and an epoch is every shard's pass (docs/resume.md, "Passes")."""
+    return getattr(factory, "passes", False) is True
 
 
 def resolve_source(ref: str) -> SourceFactory | None:

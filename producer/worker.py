@@ -38,18 +38,16 @@ from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
-from stagefeed.common.options import MIB, ProducerOptions
-from stagefeed.common.position import skip_of
-from stagefeed.producer import shm_send
-from stagefeed.producer.channel import Welcome
+from stagefeed.common.options import ProducerOptions
 from stagefeed.producer.fanout import Channel, make_channel
 from stagefeed.producer.process_pipes import WorkerReports
+from stagefeed.producer.send_loop import Rewind, send_all
 from stagefeed.producer.sources import (
     SourceFactory,
     SourceFailed,
     WorkerInfo,
+    is_passing,
     is_seekable,
-    open_feed,
     resolve_source,
 )
 
@@ -158,10 +156,6 @@ class Outcome:
     next_seq: int = 0  # the shard's stream position after the last batch handed over
 
 
-class _Rewind(Exception):
-    """A later welcome moved this shard (``TrainerChannel.repositioned``): start over."""
-
-
 def produce(
     options: ProducerOptions, worker: WorkerInfo, stop: Any, outcome: Outcome | None = None
 ) -> int:
@@ -174,11 +168,14 @@ def produce(
     trainer ``source_error`` and the error's text; then the source's error is raised.
     """
     factory = resolve_source(options.source)
+    if is_passing(factory) and len(options.connect) > 1:
+        raise ConfigError(f"--source {options.source}: a source with passes feeds one trainer, "
+                          f"not {len(options.connect)}")  # fmt: skip
     outcome = outcome if outcome is not None else Outcome()
     while True:
         try:
             return _produce_once(options, worker, stop, outcome, factory)
-        except _Rewind:
+        except Rewind:
             log.info("producer %s: the trainer moved shard %d of %d: starting again where it "
                      "says", worker.producer_id, worker.index, worker.count)  # fmt: skip
 
@@ -190,9 +187,10 @@ def _produce_once(
     outcome: Outcome,
     factory: SourceFactory | None,
 ) -> int:
-    """``produce`` over one channel; ``_Rewind`` (what it held discarded) when a later
+    """``produce`` over one channel; ``Rewind`` (what it held discarded) when a later
     welcome moved this shard."""
     configure = None
+    passes = {"passes": True} if is_passing(factory) else {}
     if options.curve_keys:
         from stagefeed.common.curve import client_configurator
 
@@ -200,7 +198,7 @@ def _produce_once(
     channel = make_channel(
         options, worker.producer_id, configure,
         hello_fields={"shard": worker.index, "shards": worker.count,
-                      "seek": is_seekable(factory)},
+                      "seek": is_seekable(factory), **passes},
     )  # fmt: skip
     name = worker.producer_id
     failure: ConfigError | BrokenError | None = None
@@ -208,10 +206,10 @@ def _produce_once(
     try:
         welcome = channel.open(stop)
         try:
-            _send_all(options, worker, factory, channel, welcome, stop, outcome)
+            send_all(options, worker, factory, channel, welcome, stop, outcome)
         except SourceFailed as failed:
             failure = failed.error
-        except _Rewind:
+        except Rewind:
             rewound = True
             raise
         try:
@@ -220,7 +218,7 @@ def _produce_once(
             if failure is None and channel.repositioned is not None:
                 # A trainer that came back while we finished: what it lost is sent again.
                 rewound = True
-                raise _Rewind()
+                raise Rewind()
         except ClosedError:
             if failure is None:
                 raise  # a stop while delivering the tail of a failed source: its error stands
@@ -243,92 +241,6 @@ def _produce_once(
     if failure is not None:
         raise failure
     return outcome.sent
-
-
-def _send_all(
-    options: ProducerOptions,
-    worker: WorkerInfo,
-    factory: SourceFactory | None,
-    channel: Channel,
-    welcome: Welcome,
-    stop: Any,
-    outcome: Outcome,
-) -> None:
-    """Open the source where the welcome says and hand its batches to the channel until its
-    end or ``max_batches``; ``SourceFailed`` when the source fails (``outcome.sent``: the
-    batches before it), ``_Rewind`` when a later welcome moved this shard."""
-    schema, max_unsent = welcome.schema, welcome.max_unsent
-    start, skip = welcome.resume or (0, [])
-    seekable = is_seekable(factory)
-    skipped = set(skip_of(skip))
-    at = dataclasses.replace(worker, start=start if seekable else 0)
-    try:
-        feed = open_feed(options.source, schema, at, max_unsent + 1, factory, options.short_batch)
-    except (ConfigError, BrokenError) as exc:
-        raise SourceFailed(exc) from exc
-    log.info(
-        "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s%s",
-        worker.producer_id,
-        ", ".join(options.connect),
-        schema.describe(),
-        schema.batch_bytes / MIB,
-        max_unsent,
-        options.source,
-        f"; shard {worker.index} of {worker.count} from batch {start}" if welcome.resume else "",
-    )
-    seq = at.start
-    outcome.next_seq = seq
-    interval = 1.0 / options.rate if options.rate else 0.0
-    next_at = time.monotonic()
-    while not options.max_batches or outcome.sent < options.max_batches:
-        if stop.is_set():
-            raise ClosedError("stop requested")
-        if channel.repositioned is not None:
-            raise _Rewind()
-        if seq < start or seq in skipped:  # trained already (or in flight): not sent again
-            if not _discard(feed):
-                return
-            seq += 1
-            outcome.next_seq = seq
-            continue
-        if interval:
-            next_at = _pace(next_at, interval, stop)
-        if channel.lane is not None:
-            slot = shm_send.send_in_slot(channel, feed, seq, stop)
-            if slot == shm_send.END:
-                return
-            if slot != shm_send.NOT_SHARED:
-                outcome.sent += slot == shm_send.SENT
-                # A lost batch (its trainer went away) keeps its place in a positioned stream
-                # (the next welcome rewinds it); else its seq is reused, as ever.
-                if slot == shm_send.SENT or welcome.resume is not None:
-                    seq += 1
-                outcome.next_seq = seq
-                continue
-        try:
-            item = feed.next()
-        except (ConfigError, BrokenError) as exc:
-            raise SourceFailed(exc) from exc
-        if item is None:
-            return
-        arrays, release = item
-        channel.send(arrays, seq, stop, on_release=release)
-        outcome.sent += 1
-        seq += 1
-        outcome.next_seq = seq
-
-
-def _discard(feed: Any) -> bool:
-    """Read one batch and drop it (a batch the trainer has): False at the end of the data."""
-    try:
-        item = feed.next()
-    except (ConfigError, BrokenError) as exc:
-        raise SourceFailed(exc) from exc
-    if item is None:
-        return False
-    if item[1] is not None:
-        item[1]()
-    return True
 
 
 def _finish(
@@ -373,14 +285,6 @@ def _finish(
     finally:
         _flushing.clear()
     return reason if drained.end_sent else None
-
-
-def _pace(next_at: float, interval: float, stop: Any) -> float:
-    delay = next_at - time.monotonic()
-    while delay > 0 and not stop.is_set():
-        time.sleep(min(delay, 0.1))
-        delay = next_at - time.monotonic()
-    return max(next_at + interval, time.monotonic() - interval)
 
 
 def _seq_range(count: int, end: int | None = None) -> str:

@@ -92,7 +92,10 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
         g, "--steps-per-epoch", type=int, default=0,
         help="an epoch's steps; the run is --epochs x this, warm-up included (replaces --steps)",
     )  # fmt: skip
-    envflags.add(g, "--epochs", type=int, default=1, help="epochs (> 1 needs --steps-per-epoch)")
+    envflags.add(
+        g, "--epochs", type=int, default=1,
+        help="epochs: of --steps-per-epoch steps, or passes of sources with passes",
+    )  # fmt: skip
     envflags.add(
         g, "--save", default=None, help="save what was trained here at the end: model.keras "
         "(Keras) or model.ckpt (graph); a DIR holding a run resumes it (docs/resume.md)",
@@ -187,8 +190,10 @@ def producer_options(
 
 def _steps(args: argparse.Namespace) -> int:
     """``--steps``, or the command's default; 0 (not used) with ``--steps-per-epoch``."""
-    if not args.steps_per_epoch:
-        return args.default_steps if args.steps is None else args.steps
+    if not args.steps_per_epoch:  # --epochs > 1 alone: passes, as long as the data says
+        if args.steps is None:
+            return 0 if args.epochs > 1 else args.default_steps
+        return args.steps
     if args.steps is not None:
         raise ConfigError(
             f"--steps {args.steps} with --steps-per-epoch {args.steps_per_epoch}: give one "

@@ -209,6 +209,7 @@ def test_control_messages_round_trip(kind):
         "shm_batch": {"seq": 3, "desc": {"pool": "p1-ab", "slot": 0, "gen": 1, "seq": 3}},
         "end": {"seq": 12},
         "ping": {},
+        "end_pass": {"seq": 30, "pass": 0},
     }[kind]
     header = protocol.decode_header(protocol.encode_control(kind, **fields), protocol.FROM_PRODUCER)
     assert header == {"v": 2, "t": kind, **fields}
@@ -254,6 +255,36 @@ def test_shared_memory_fields_round_trip(kind, fields, kinds):
 
 def _control(kind, **fields):
     return msgpack.packb({"v": 2, "t": kind, **fields})
+
+
+PASSES = {"pass": 1, "pass_start": 30, "pass_count": 3}
+
+
+def test_the_fields_of_passes_round_trip_and_are_checked():
+    hello = {"name": "p", "schema": None, "shard": 0, "shards": 2, "seek": True, "passes": True}
+    raw = protocol.encode_control("hello", **hello)
+    assert protocol.decode_header(raw, protocol.FROM_PRODUCER) == {"v": 2, "t": "hello", **hello}
+    welcome = protocol.decode_header(_control("welcome", **WELCOME, **PASSES),
+                                     protocol.FROM_TRAINER)  # fmt: skip
+    assert protocol.passes_of_welcome(welcome) == (1, 30, 3)
+    assert protocol.passes_of_welcome(protocol.decode_header(
+        _control("welcome", **WELCOME), protocol.FROM_TRAINER)) is None  # fmt: skip
+    nxt = protocol.decode_header(_control("next_pass", **{"pass": 2}), protocol.FROM_TRAINER)
+    assert nxt["pass"] == 2
+    for raw, kinds in [
+        (_control("welcome", **WELCOME, **{**PASSES, "pass_count": 0}), protocol.FROM_TRAINER),
+        (_control("welcome", **WELCOME, **{"pass": 1}), protocol.FROM_TRAINER),
+        (_control("hello", name="p", schema=None, passes=1), protocol.FROM_PRODUCER),
+        (_control("end_pass", seq=-1, **{"pass": 0}), protocol.FROM_PRODUCER),
+        (_control("next_pass"), protocol.FROM_TRAINER),
+    ]:
+        with pytest.raises(ProtocolError) as info:
+            protocol.decode_header(raw, kinds)
+        assert info.value.reason is DropReason.HEADER_FIELDS
+    late = protocol.decode_header(_control("welcome", **WELCOME, **{**PASSES, "pass": 4}),
+                                  protocol.FROM_TRAINER)  # fmt: skip
+    with pytest.raises(ProtocolError):
+        protocol.passes_of_welcome(late)
 
 
 SHM_REJECTED = {

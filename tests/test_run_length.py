@@ -30,7 +30,6 @@ NAN_SOURCE = ["--source", "tests.regression_models:nan_from_third"]
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--epochs", "2"], "epochs=2 needs steps_per_epoch"),
         (["--steps", "5", "--steps-per-epoch", "2"], "--steps 5 with --steps-per-epoch 2"),
         (["--checkpoint-every", "2"], "checkpoint_every=2 needs save_dir"),
         (["--steps-per-epoch", "-1"], "steps_per_epoch must be an integer >= 0, got -1"),

@@ -153,6 +153,7 @@ class Trainer(TrainerBase):
                 step, step > warmup, ready - started, done - ready, float(loss), queued, done
             ))  # fmt: skip
             self.epoch_ended(step)
+            self.passes_ended(step - base)
             if self.checkpoints is not None:
                 self.checkpoints.after_step(step)
         if run_end.verdict.failure is not None:  # drained after a source's failure: now fail

@@ -35,6 +35,8 @@ class Connection:
     outstanding: int = 0
     in_hand: int = 0
     ended: bool = False
+    paused: bool = False  # ended a pass, waits for the next (consumer/intake/passes.py)
+    shard: int | None = None  # the shard of a passing producer
 
 
 class Connections:
@@ -102,7 +104,7 @@ class Connections:
         while self.available > 0:
             wanting = sorted(
                 (c for c in self._live.values()
-                 if not c.ended and c.outstanding + c.in_hand < self.per_peer),
+                 if not (c.ended or c.paused) and c.outstanding + c.in_hand < self.per_peer),
                 key=lambda c: c.outstanding + c.in_hand,
             )  # fmt: skip
             if not wanting:
@@ -131,7 +133,8 @@ class Connections:
         Its credit returns to the pool; the producer is told to say hello again.
         """
         starving = any(
-            not c.ended and c.outstanding + c.in_hand == 0 for c in self._live.values()
+            not (c.ended or c.paused) and c.outstanding + c.in_hand == 0
+            for c in self._live.values()
         )
         if not starving or self.available > 0:
             return []
@@ -154,5 +157,11 @@ class Connections:
     def end(self, conn: Connection) -> None:
         """The producer's data ended: it needs no more credit."""
         conn.ended = True
+        self.pause(conn)
+
+    def pause(self, conn: Connection) -> None:
+        """The producer needs no credit for now (it ended a pass): its unused credit returns;
+        ``paused`` is cleared when the next pass starts (and ``next_pass`` zeroes its credit)."""
+        conn.paused = True
         self.available += conn.outstanding
         conn.outstanding = 0

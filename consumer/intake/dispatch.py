@@ -4,7 +4,8 @@
 threads and hands it each received message); nothing here blocks. It admits hellos
 (schema, connection limit, credit and, with shared memory, a pool token), checks batches and
 gives each a verdict, books ``end`` with its reason, grants credit, routes slot releases back,
-forgets silent connections, and keeps the end-of-data rule (``data_ended``).
+forgets silent connections, and keeps the end-of-data rule (``data_ended``) and the end of a
+pass (``send_passes``: producers whose sources make passes, ``consumer.intake.passes``).
 
 Invariants: a batch that took a credit returns it whatever its checks say, and its producer
 gets a verdict (``dropped`` with the reason) unless it was handed to the enqueue threads; a
@@ -27,7 +28,8 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import Schema, schema_difference
 from stagefeed.common.throttle import LogThrottle
-from stagefeed.consumer.intake.connections import Connections
+from stagefeed.consumer.intake.connections import Connection, Connections
+from stagefeed.consumer.intake.passes import PassBooks
 from stagefeed.consumer.intake.shm_gate import ShmGate
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class Dispatch:
         handoff: Handoff,
         credit_pool: int,
         shm: ShmGate | None,
+        enqueued: Callable[[], int] = lambda: 0,
     ) -> None:
         self.options = options
         self.schema = schema
@@ -64,6 +67,9 @@ class Dispatch:
         self._internal_log = LogThrottle()
         self._delivered_and_ended = False  # a producer that delivered said end (see below)
         self._data_ended = threading.Event()
+        resumed = ledger.shards.resumed if ledger.shards is not None else None
+        self.passes = PassBooks(options.epochs, resumed)
+        self._enqueued = enqueued  # batches enqueued so far (``Availability.enqueued``)
 
     def log_internal(self) -> None:
         """Log the exception being handled, in full, at most every few seconds: ``internal``
@@ -106,6 +112,8 @@ class Dispatch:
             # end at once must not stop a trainer that no producer has reached yet.
             if self._ledger.delivered(conn.index):
                 self._delivered_and_ended = True
+        elif kind == "end_pass":
+            self._on_end_pass(conn, header)
 
     def _on_hello(
         self, router: zmq.Socket, routing_id: bytes, header: dict, user_id: str | None
@@ -121,8 +129,10 @@ class Dispatch:
             )
             return
         shard = self._shard(router, routing_id, name, header)
-        if shard is False:
+        passing = shard is not False and self._passing(router, routing_id, name, header)
+        if shard is False or passing is False:
             return
+        position: dict[str, Any] = {}
         conn = self.conns.get(routing_id)
         if conn is None:
             index = None if self.conns.full() else self._ledger.open(
@@ -138,16 +148,21 @@ class Dispatch:
                 return
             conn = self.conns.add(routing_id, index, name)
         self.conns.seen(conn)
+        if isinstance(passing, int):
+            conn.shard = passing
+            epoch = self.passes.epoch
+            position["pass"] = epoch
+            position["pass_start"] = self.passes.start_of(passing, epoch)
+            position["pass_count"] = max(self.passes.pass_count, epoch)
         granting = self._granting.is_set()
         grants = dict((c.routing_id, n) for c, n in self.conns.grants()) if granting else {}
         credit = grants.pop(routing_id, 0)
         wants_shm = self.shm is not None and header.get("shm") is True
         shm = self.shm.offer(routing_id, conn.index) if wants_shm else {}
         books = self._ledger.shards
-        position = {}
         if books is not None and isinstance(shard, int):
             start, skip = books.welcome(shard)
-            position = {"start": start, "skip": skip}
+            position.update(start=start, skip=skip)
         self.reply(
             router, routing_id, "welcome", schema=self.schema.to_dict(),
             max_message=self.options.max_message_bytes, credit=credit, **shm, **position,
@@ -173,6 +188,50 @@ class Dispatch:
         self._ledger.refused(name, DropReason.SHARD.value, why)
         self.reply(router, routing_id, "refused", reason=DropReason.SHARD.value, detail=why)
         return False
+
+    def _passing(self, router: zmq.Socket, routing_id: bytes, name: str, header: dict) -> Any:
+        """The shard of a hello that said ``passes`` (None: it did not); False if refused."""
+        if header.get("passes") is not True:
+            return None
+        named = protocol.shard_of_hello(header)
+        why = "a producer with passes must name its shard" if named is None else None
+        why = why or self.passes.join(named[0], named[1])
+        if why is None:
+            return named[0]
+        self._ledger.refused(name, DropReason.SHARD.value, why)
+        self.reply(router, routing_id, "refused", reason=DropReason.SHARD.value, detail=why)
+        return False
+
+    def _on_end_pass(self, conn: Connection, header: dict) -> None:
+        """Book where the producer's pass ended; its credit returns until the next pass."""
+        if conn.shard is None:
+            raise ProtocolError(DropReason.HEADER_FIELDS, "end_pass from a hello without passes")
+        why = self.passes.ended(conn.shard, header["pass"], header["seq"])
+        if why is not None and self._internal_log.due("end-pass"):
+            log.warning("producer %s: %s (ignored)", conn.name, why)
+        self.conns.pause(conn)
+        books = self._ledger.shards
+        if books is not None:
+            books.pass_ended(conn.shard, self.passes.ends.get(conn.shard, []))
+        missing = self.passes.missing()
+        log.info("producer %s (shard %d) ended pass %d at batch %d%s", conn.name, conn.shard,
+                 header["pass"], header["seq"],
+                 f"; waiting for shards {missing}" if missing else "")  # fmt: skip
+
+    def send_passes(self, router: zmq.Socket) -> None:
+        """Once every shard ended the pass and all of it left the intake: the next pass, and
+        ``next_pass`` to every passing connection (it zeroes the producer's credit: what it
+        holds returns to the pool, and grants follow)."""
+        if self.conns.available != self.credit_pool or not self.passes.complete():
+            return
+        epoch = self.passes.advance(self._enqueued())
+        log.info("every shard ended pass %d%s", epoch - 1,
+                 f": pass {epoch} starts" if epoch < self.passes.pass_count else "")  # fmt: skip
+        for conn in self.conns.live():
+            if conn.shard is not None and not conn.ended:
+                self.conns.pause(conn)
+                conn.paused = False
+                self.reply(router, conn.routing_id, "next_pass", **{"pass": epoch})
 
     def _on_batch(
         self, router: zmq.Socket, conn, header: dict, decode: Callable[[], protocol.Batch]

@@ -97,7 +97,8 @@ class Intake:
         if self.options.transport != "zmq":
             self.shm = ShmGate.open(self.options, self.schema, self._ledger)
         self._dispatch = Dispatch(
-            self.options, self.schema, self._ledger, self._handoff, self.credit_pool, self.shm
+            self.options, self.schema, self._ledger, self._handoff, self.credit_pool, self.shm,
+            lambda: self.availability.enqueued,
         )
         self._ctx = zmq.Context(io_threads=min(4, self.options.recv_threads))
         router = self._ctx.socket(zmq.ROUTER)
@@ -211,6 +212,7 @@ class Intake:
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + EXPIRE_EVERY_S
                     dispatch.expire(router)
+                dispatch.send_passes(router)  # before grants: next_pass zeroes credit
                 dispatch.send_grants(router)
                 dispatch.send_releases(router)
                 dispatch.update_data_ended()
@@ -254,6 +256,11 @@ class Intake:
         """``Dispatch.data_ended``: every producer that delivered said ``end`` and every batch
         received has left the intake (docs/guarantees.md). False before ``start``."""
         return self._dispatch is not None and self._dispatch.data_ended()
+
+    @property
+    def passes(self) -> Any:
+        """The ``PassBooks`` (None before ``start``)."""
+        return self._dispatch.passes if self._dispatch is not None else None
 
     def stop_granting(self) -> None:
         """Grant no more credit (before the queue closes): at most the credit pool is then
