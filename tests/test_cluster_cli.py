@@ -83,6 +83,14 @@ def test_two_workers_two_producers_each_feeding_both_train_the_same_steps(start_
         assert set(summary["metrics"]) == {"mae"}
     # The step's loss is all-reduced: every worker reports the same figures.
     assert summaries[0]["loss_last"] == summaries[1]["loss_last"]
+    # The cluster's books, the same on every worker: the workers' totals summed.
+    books = summaries[0]["cluster"]["books"]
+    assert books == summaries[1]["cluster"]["books"]
+    assert (books["workers"], books["steps"], books["trained"]) == (2, steps, 2 * steps)
+    # (taken when the loop ended: batches may still arrive until the feeds close)
+    assert 2 * steps <= books["received"] <= sum(s["batches"]["received"] for s in summaries)
+    assert [s["cluster"]["chief"] for s in summaries] == [True, False]
+    assert "cluster: worker 0/2 (chief); all workers: 12 steps" in cluster.trainers[0].output()
     assert (tmp_path / "save-0" / "model.keras").exists()  # the chief keeps the model
     assert not (tmp_path / "save-1" / "model.keras").exists()  # another worker does not
     for producer in cluster.producers:

@@ -37,7 +37,7 @@ from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer.checkpoints import Checkpoints
 from stagefeed.consumer.cluster import loop
-from stagefeed.consumer.cluster.collective_stop import vote_for
+from stagefeed.consumer.cluster.collective_stop import sum_over_workers, vote_for
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd
@@ -65,6 +65,7 @@ class ClusterTrainer(KerasTrainer):
         super().__init__(options, observers, configure_server, build)
         self._wait_s = 0.0
         self._last_end = 0.0
+        self.cluster_totals: dict[str, int] | None = None  # after train(): every worker's books
 
     def start(self) -> ClusterTrainer:
         plan = self.build_and_bind(self.cluster.strategy)
@@ -108,6 +109,7 @@ class ClusterTrainer(KerasTrainer):
             watch_done.set()
             join_threads([watcher], JOIN_TIMEOUT_S)
             feed.books.end()
+        self.cluster_totals = self._sum_books(end.steps)  # on every worker, before any raises
         mine = run_end.verdict
         if mine.failure is not None:  # FAIL, or a drain after a producer's source failed
             raise mine.failure
@@ -118,6 +120,18 @@ class ClusterTrainer(KerasTrainer):
             self.drained_because = end.verdict.reason
         if self.checkpoints is not None:
             self.checkpoints.final(self.steps_done)
+
+    def _sum_books(self, steps: int) -> dict[str, int]:
+        """The cluster's books: every worker's totals summed (one all-reduce, which every
+        worker reaches here after the same last step). The chief's summary carries them."""
+        totals = self.ledger.totals()
+        names = ("received", "trained", "queued", "abandoned", "not_enqueued", "dropped",
+                 "seq_missing")  # fmt: skip
+        summed = sum_over_workers(
+            self.cluster.strategy, [float(getattr(totals, name)) for name in names]
+        )
+        books = {name: round(value) for name, value in zip(names, summed, strict=True)}
+        return {"workers": self.cluster.count, "steps": steps, **books}
 
     def _watch(self, run_end: RunEnd, done: threading.Event) -> None:
         """Close the queue once this worker's verdict is not RUNNING: a fetch waiting for a

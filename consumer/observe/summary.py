@@ -87,6 +87,12 @@ def summarize(
         "memory": _memory(trainer),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    cluster = getattr(trainer, "cluster", None)
+    if cluster is not None:  # one worker of a MultiWorkerMirroredStrategy cluster
+        summary["cluster"] = {
+            "worker": cluster.index, "workers": cluster.count, "chief": cluster.chief,
+            "books": getattr(trainer, "cluster_totals", None),
+        }  # fmt: skip
     if final is not None:
         summary["advice"] = final.advice.text
         summary["bottleneck"] = final.advice.kind
@@ -110,6 +116,22 @@ def run_length(trainer: TrainerBase, interrupted: bool) -> dict[str, Any]:
         "complete": complete,
         "short_because": (trainer.drained_because or "the run ended early") if short else None,
     }
+
+
+def _cluster_lines(s: dict[str, Any]) -> list[str]:
+    c = s.get("cluster")
+    if not c:
+        return []
+    role = " (chief)" if c["chief"] else ""
+    line = f"  cluster: worker {c['worker']}/{c['workers']}{role}"
+    b = c.get("books")
+    if b:
+        line += (
+            f"; all workers: {b['steps']} steps, batches received {b['received']}, trained "
+            f"{b['trained']}, queued at stop {b['queued']}, abandoned {b['abandoned']}, "
+            f"in the intake {b['not_enqueued']}, dropped {b['dropped']}, missing {b['seq_missing']}"
+        )
+    return [line]
 
 
 def _run_length_line(s: dict[str, Any]) -> str | None:
@@ -214,6 +236,7 @@ def format_text(summary: dict[str, Any]) -> str:
         f"{b['not_enqueued']}, dropped {b['dropped']}, "
         f"missing (sequence gaps) {b['seq_missing']}",
     ]
+    lines += _cluster_lines(s)
     short = _run_length_line(s)
     if short:
         lines.append(short)
