@@ -16,8 +16,9 @@ import re
 
 import numpy as np
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, wait_for
 from tests.passes_models import BATCH, PASSES, ROWS, model_state
+from tests.procs import log_text
 
 PER_PASS = ROWS // BATCH  # steps of one epoch: every shard's pass
 
@@ -47,3 +48,37 @@ def test_every_epoch_is_every_shards_pass_and_each_row_is_trained_once_in_each(t
     for stream in state["input"]["streams"].values():  # where each pass ended, per shard
         assert stream["passes"] == [half * k for k in range(1, PASSES + 1)]
         assert stream["next"] == stream["end"] == half * PASSES
+
+
+def test_a_run_with_passes_killed_mid_pass_resumes_with_every_row_once_in_each_pass(
+    spawn, tmp_path
+):
+    """Killed with SIGKILL (the whole process group) in its second pass, re-run with the same
+    command: the resumed run works out its epoch from the pass ends in the position, the
+    producers start that pass where it was, and every row is still trained once in each pass,
+    in pass order."""
+    save = tmp_path / "out"
+    command = [
+        "run", "--producers", "2", "--schema", "tests.passes_models:SCHEMA",
+        "--source", "tests.passes_models:rows", "--model", "tests.passes_models:pass_counter",
+        "--epochs", str(PASSES), "--steps", "0", "--warmup-steps", "0", "--progress-s", "100",
+        "--checkpoint-every", "7", "--rate", "10", "--save", str(save),
+    ]  # fmt: skip
+    first = spawn(command, "first")
+    killed_in = PER_PASS + PER_PASS // 2  # a checkpoint in the middle of the second pass
+    checkpoint = re.compile(r"step (\d+): checkpoint")
+
+    def far_enough() -> bool:
+        return any(int(n) >= killed_in for n in checkpoint.findall(log_text(first)))
+
+    assert wait_for(far_enough, 240), log_text(first)[-3000:]
+    first.kill_group()
+    again = spawn(command, "again")
+    assert again.wait(240) == 0, log_text(again)[-4000:]
+    text = log_text(again)
+    assert "resuming from" in text and "resumed from step" in text, text[-3000:]
+    counts, disorder = model_state(str(save / "model.ckpt"))
+    assert disorder == 0.0, text[-3000:]
+    assert np.array_equal(counts, np.ones((PASSES, ROWS), np.float32)), {
+        "pass, row not trained once": [(int(p), int(r)) for p, r in np.argwhere(counts != 1)][:20]
+    }  # fmt: skip
