@@ -28,6 +28,7 @@ heartbeat timeout otherwise.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,7 @@ def train(
     step = DistributedStep(strategy, model)
     done = 0
     while True:
+        broken = None
         try:
             batch = stop.fetch(iterator)
             vote = Ending.STOP if steps and done >= steps else local()
@@ -80,9 +82,14 @@ def train(
             if verdict.go:
                 figures = DistributedStep.figures(step(batch, verdict.global_batch))
         except CLUSTER_BROKEN as exc:
-            raise BrokenError(
-                f"cluster broken after step {done}: {broken_cause(exc)}; restart every worker"
-            ) from exc
+            broken = f"cluster broken after step {done}: {broken_cause(exc)}; restart every worker"
+        if broken is not None:
+            # Raised outside the handler, and after a collection: an eager all-reduce that
+            # failed leaves TensorFlow's ThreadPool (cross_device_ops) unclosed, held by the
+            # failed frames. Collected now, its __del__ finds its pipes open; at interpreter
+            # exit it would print a traceback (OSError: Bad file descriptor).
+            gc.collect()
+            raise BrokenError(broken)
         if not verdict.go:
             log.info("cluster: %s after step %d (this worker voted %s)",
                      verdict.reason, done, vote.name)  # fmt: skip
