@@ -181,14 +181,18 @@ class TrainerBase:
         log.info("epoch %d/%d done (%d steps)", step // per_epoch, self.options.epochs, step)
         return True
 
-    def passes_ended(self, trained: int) -> None:
+    def passes_ended(self, trained: int) -> int:
         """Log each epoch of passes (docs/resume.md, "Passes") that the first ``trained``
-        batches this process trained complete: every shard's pass, and nothing of the next."""
+        batches this process trained complete: every shard's pass, and nothing of the next.
+        How many ended."""
         passes = self._intake.passes if self._intake is not None else None
         if passes is None:
-            return
+            return 0
+        ended = 0
         for epoch, at in passes.ended_by(trained, self.epochs_of_passes):
             log.info("epoch %d/%d done: %d steps (every shard's pass %d)", epoch + 1,
                      passes.pass_count, at - self._epoch_began, epoch)  # fmt: skip
             self._epoch_began = at
             self.epochs_of_passes += 1
+            ended += 1
+        return ended

@@ -65,6 +65,17 @@ def pass_counter(staged, schema):
     return loss, tf.group(add, order)
 
 
+def keras_linear(schema):
+    """A compiled Keras model of ``x`` -> ``ids`` (its targets): the Keras run of passes."""
+    import keras
+
+    x = keras.Input((), name="x", dtype="float32")
+    out = keras.layers.Dense(1)(keras.layers.Reshape((1,))(x))
+    model = keras.Model(x, out, name="pass_linear")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    return model
+
+
 def model_state(prefix: str) -> tuple[np.ndarray, float]:
     """``(pass_row_counts, disorder)`` of a graph checkpoint (``DIR/model.ckpt``)."""
     import tensorflow as tf

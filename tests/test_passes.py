@@ -47,7 +47,10 @@ def test_every_epoch_is_every_shards_pass_and_each_row_is_trained_once_in_each(t
     half = PER_PASS // 2
     for stream in state["input"]["streams"].values():  # where each pass ended, per shard
         assert stream["passes"] == [half * k for k in range(1, PASSES + 1)]
-        assert stream["next"] == stream["end"] == half * PASSES
+        assert stream["next"] == half * PASSES
+        # Its `end` is booked unless the final save came first: the run drained once the
+        # other shard's end and this one's last end_pass were in (seen in 1 of 6 runs).
+        assert stream["end"] in (None, half * PASSES)
 
 
 def test_a_run_with_passes_killed_mid_pass_resumes_with_every_row_once_in_each_pass(
@@ -82,3 +85,21 @@ def test_a_run_with_passes_killed_mid_pass_resumes_with_every_row_once_in_each_p
     assert np.array_equal(counts, np.ones((PASSES, ROWS), np.float32)), {
         "pass, row not trained once": [(int(p), int(r)) for p, r in np.argwhere(counts != 1)][:20]
     }  # fmt: skip
+
+
+def test_keras_fit_epochs_follow_the_passes(tmp_path):
+    """``fit``'s epochs end at the pass boundaries (``PassCut``), not by a guessed
+    ``--steps-per-epoch``: three epochs of 60 steps, each every shard's pass."""
+    done = run_cli([
+        "run", "--producers", "2", "--schema", "tests.passes_models:SCHEMA",
+        "--source", "tests.passes_models:rows", "--model", "tests.passes_models:keras_linear",
+        "--epochs", str(PASSES), "--steps", "0", "--warmup-steps", "0", "--progress-s", "100",
+    ], timeout=240)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    epochs = re.findall(r"epoch (\d+)/(\d+) done: (\d+) steps", out)
+    expected = [(str(k), str(PASSES), str(PER_PASS)) for k in range(1, PASSES + 1)]
+    assert epochs == expected, out[-3000:]
+    cut = re.findall(r"fit's epoch (\d+) ended at its pass boundary", out)
+    assert cut == [str(k) for k in range(1, PASSES + 1)], out[-3000:]
+    assert f"steps {PASSES * PER_PASS} timed" in done.stdout, done.stdout

@@ -87,7 +87,38 @@ def fit_plan(options: TrainerOptions, step: int) -> FitPlan | None:
     if per_epoch:
         left = -step % per_epoch  # steps left in the epoch the checkpoint fell in (0: none)
         return FitPlan(options.epochs, step // per_epoch, per_epoch, left)
+    if options.epochs > 1 and not total:  # epochs of passes: PassCut ends each at its boundary
+        return FitPlan(options.epochs, 0, PASS_EPOCH_STEPS)
     return FitPlan(1, 0, total - step if total else None)
+
+
+# ``steps_per_epoch`` for epochs that are passes: never reached (``PassCut`` ends an epoch at
+# its pass boundary, the end of the data ends the last); given, so that ``fit`` keeps one
+# iterator across epochs and no prefetched batch of the next pass is dropped.
+PASS_EPOCH_STEPS = 2**40
+
+
+class PassCut(keras.callbacks.Callback):
+    """Epochs that are passes (docs/resume.md, "Passes"): ``fit``'s epoch ends at the step that
+    trains the last batch of every shard's pass (``cut()``, from the trainer's pass books),
+    then ``fit`` goes on to the next (``go_on``, at that epoch's end, unless the run is
+    stopping). Put it first, as ``EpochCut``."""
+
+    def __init__(self, go_on: Callable[[], None]) -> None:
+        super().__init__()
+        self.go_on = go_on
+        self._cut = False
+
+    def cut(self) -> None:
+        """(the step's callbacks) the step just trained ended a pass: end the epoch."""
+        self._cut = True
+        self.model.stop_training = True
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._cut:
+            self._cut = False
+            log.info("fit's epoch %d ended at its pass boundary", epoch + 1)
+            self.go_on()
 
 
 class EpochCut(keras.callbacks.Callback):

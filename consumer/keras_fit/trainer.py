@@ -50,8 +50,10 @@ from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.keras_fit.callback import FeedCallback
 from stagefeed.consumer.keras_fit.model_check import check_model
 from stagefeed.consumer.keras_fit.resume_fit import (
+    PASS_EPOCH_STEPS,
     EpochCut,
     FitPlan,
+    PassCut,
     fit_plan,
     keras_format,
     restore_iterations,
@@ -91,6 +93,7 @@ class KerasTrainer(TrainerBase):
         self.step_base = 0
         self._stop_lock = threading.Lock()
         self._stopping = False  # stop_fit was called: nothing lets fit go on
+        self._pass_cut: PassCut | None = None  # during a fit whose epochs are passes
 
     def start(self) -> KerasTrainer:
         from stagefeed.consumer.cluster.strategy import in_cluster  # no TensorFlow op
@@ -175,6 +178,10 @@ class KerasTrainer(TrainerBase):
         callbacks: list[keras.callbacks.Callback] = [books, _Steps(self, books)]
         if plan.first_epoch_steps:  # first: the feed's end of data may still stop fit
             callbacks.insert(0, EpochCut(plan.first_epoch_steps, self._go_on))
+        self._pass_cut = None
+        if plan.steps_per_epoch == PASS_EPOCH_STEPS:  # epochs that are passes
+            self._pass_cut = PassCut(self._go_on)
+            callbacks.insert(0, self._pass_cut)
         try:
             with warnings.catch_warnings():  # the data ending inside an epoch is expected
                 warnings.filterwarnings("ignore", message=".*ran out of data")
@@ -233,6 +240,8 @@ class KerasTrainer(TrainerBase):
             self.fail(exc)
             return
         self.epoch_ended(record.step)
+        if self.passes_ended(record.step - self.step_base) and self._pass_cut is not None:
+            self._pass_cut.cut()  # fit's epoch is the pass: every shard's, nothing of the next
         if self.checkpoints is not None:
             self.checkpoints.after_step(record.step)
 
