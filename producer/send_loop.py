@@ -135,10 +135,7 @@ def _send_feed(
                     seq += 1
                 outcome.next_seq = seq
                 continue
-        try:
-            item = feed.next()
-        except (ConfigError, BrokenError) as exc:
-            raise SourceFailed(exc) from exc
+        item = _next(feed)
         if item is None:
             return True
         arrays, release = item
@@ -149,12 +146,18 @@ def _send_feed(
     return False
 
 
-def _discard(feed: Feed) -> bool:
-    """Read one batch and drop it (a batch the trainer has): False at the end of the data."""
+def _next(feed: Feed) -> Any:
+    """``feed.next()``; the source's own failure raised as ``SourceFailed`` (it ends the
+    stream after the good batches are delivered)."""
     try:
-        item = feed.next()
+        return feed.next()
     except (ConfigError, BrokenError) as exc:
         raise SourceFailed(exc) from exc
+
+
+def _discard(feed: Feed) -> bool:
+    """Read one batch and drop it (a batch the trainer has): False at the end of the data."""
+    item = _next(feed)
     if item is None:
         return False
     if item[1] is not None:
