@@ -37,11 +37,15 @@ log = logging.getLogger(__name__)
 class ShardBooks:
     """Per-shard trained and in-flight batches (see the module docstring)."""
 
-    def __init__(self, resumed: InputPosition | None = None) -> None:
+    def __init__(self, resumed: InputPosition | None = None, joined_only: bool = False) -> None:
         self._lock = threading.Lock()
         self.resumed = resumed
         self._position = resumed or InputPosition(0)
         self._in_flight: dict[int, set[int]] = {}
+        # Shards whose producer joined here. A cluster worker is fed only some shards (each
+        # shard feeds one worker): its ``missing`` looks at those alone (``joined_only``).
+        self.joined: set[int] = set()
+        self.joined_only = joined_only
 
     @property
     def shards(self) -> int:
@@ -67,6 +71,7 @@ class ShardBooks:
                     "shard %d: its source cannot seek; its position is approximate (exact "
                     "only if the source replays the same batches)", shard,
                 )  # fmt: skip
+            self.joined.add(shard)
             return None
 
     def admit(self, shard: int, seq: int) -> DropReason | None:
@@ -98,10 +103,11 @@ class ShardBooks:
 
     def missing(self) -> dict[int, int]:
         """Shards not complete: their first batch neither trained nor in flight (known
-        shards only; {} while no shard is known)."""
+        shards only, or with ``joined_only`` those that joined here; {} while none is)."""
         with self._lock:
             out = {}
-            for shard in range(self._position.shards):
+            shards = sorted(self.joined) if self.joined_only else range(self._position.shards)
+            for shard in shards:
                 stream = self._position.of(shard)
                 start = self._accepted(shard).next
                 if stream.end is None or start < stream.end:
@@ -136,4 +142,3 @@ class ShardBooks:
                     stream.next, set(stream.above), stream.end, list(stream.passes)
                 )
             return out
-

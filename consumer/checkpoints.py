@@ -22,7 +22,8 @@ its state file, so a test can kill the writer there; not for production use.
 Who writes: the chief (``is_chief``, from ``common.tf_config``: TF_CONFIG's rules). Another
 worker of a cluster saves its model to a temporary directory that is removed at once
 (TensorFlow's multi-worker pattern: saving may need every worker's part in a collective), and
-writes no state.
+writes no state; but it reads ``position()`` too, right after its save, because a cluster's
+position is gathered from every worker (``consumer.cluster.positions``: a collective).
 
 A directory that already holds a run is resumed from its newest complete checkpoint, or
 refused, or (``--fresh``) moved aside: ``consumer.resume``; the chief decides at start.
@@ -141,6 +142,8 @@ class Checkpoints:
                 self.model.save(os.path.join(scratch, name))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+            if self.position is not None:
+                self.position()  # every worker: a cluster's position is gathered (collective)
             return None
         os.makedirs(folder, exist_ok=True)
         files = self.model.save(os.path.join(folder, name))
@@ -148,18 +151,23 @@ class Checkpoints:
         if delay > 0:  # the test hook (module docstring): a kill here leaves no state file
             log.info("test hook: %.1f s between the model and its state file", delay)
             time.sleep(delay)
-        path = os.path.join(folder, state)
         # The position is read now, after the model: what the model has trained, no more.
-        _write_atomically(path, self._state(step, files, name, finished))
+        position = self.position() if self.position is not None else None
+        path = os.path.join(folder, state)
+        _write_atomically(path, self._state(step, files, name, finished, position))
         self.written.append(path)
         return path
 
     def _state(
-        self, step: int, files: list[str], name: str, finished: str
+        self,
+        step: int,
+        files: list[str],
+        name: str,
+        finished: str,
+        position: InputPosition | None,
     ) -> dict[str, Any]:
         options = self.options
         per_epoch = options.steps_per_epoch
-        position = self.position() if self.position is not None else None
         return {
             "step": step,
             "epoch": step // per_epoch if per_epoch else None,

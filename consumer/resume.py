@@ -11,8 +11,8 @@ Refused at start (``ConfigError``, one line, exit 2), never resumed silently:
   would overwrite them);
 - the checkpoint is of another ``--model`` or another schema;
 - the run it holds finished (its data ended, or its planned steps are done);
-- a state file without an input position (``"input": null``: a cluster's, whose workers'
-  books are not merged, or one from before positions): resuming it could not be exact.
+- a state file without an input position (``"input": null``: one written before positions
+  were booked): resuming it could not be exact.
 
 ``--fresh`` starts over: the previous run's files move to ``DIR/previous-<time>/`` (nothing is
 deleted). The number of shards is checked when producers say hello (``common.shard_books``),

@@ -149,14 +149,14 @@ class TrainerBase:
                 "step %d: loss is %s; training goes on (--on-nan warn)", record.step, record.loss
             )
 
-    def resume_books(self, checkpoints: Any) -> int:
+    def resume_books(self, checkpoints: Any, joined_only: bool = False) -> int:
         """With ``--save``: book per-shard input positions in the ledger, from the checkpoint
         ``checkpoints.resumed`` when there is one (logged in one line); the step to go on from.
-        Call before the intake starts."""
+        Call before the intake starts. ``joined_only``: ``ShardBooks``' (a cluster worker)."""
         from stagefeed.common.shard_books import ShardBooks
 
         resumed = checkpoints.resumed
-        self.ledger.shards = ShardBooks(resumed.position if resumed else None)
+        self.ledger.shards = ShardBooks(resumed.position if resumed else None, joined_only)
         checkpoints.position = self.ledger.shards.position
         if resumed is None:
             return 0

@@ -94,7 +94,11 @@ def _row_counter_layer():
 
         def call(self, ids, training=None):
             if training:
-                self.counts.assign_add(tf.reduce_sum(tf.one_hot(ids, ROWS), axis=0))
+                # Every replica's rows (a cluster: every worker's), so that every copy of the
+                # counts is the same; on one device the sum is the rows themselves.
+                rows = tf.reduce_sum(tf.one_hot(ids, ROWS), axis=0)
+                context = tf.distribute.get_replica_context()
+                self.counts.assign_add(context.all_reduce("sum", rows))
             return tf.zeros_like(tf.cast(ids, "float32")) + self.w
 
     return RowCounter(name="counter")

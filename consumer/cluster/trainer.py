@@ -18,27 +18,32 @@ verdict is not ``RUNNING``, so a worker waiting for a batch that will not come r
 votes. Every worker books the batches its own steps trained, in its own summary; only the chief
 keeps checkpoints and ``--save`` (``consumer.checkpoints``).
 
-No input position (docs/resume.md, Limits): a worker's books hold only the batches its own
-steps trained, and the cluster's position is the union of every worker's, which nothing
-gathers yet; so a cluster's state files hold ``"input": null`` and a ``--save DIR`` holding a
-checkpoint is refused at start (one line, exit 2): ``--fresh`` starts over.
+Resume (docs/resume.md, "Several trainer workers"): each shard feeds one worker, whose books
+hold the batches its steps trained; the chief's checkpoint (only its ``--save DIR`` is read)
+reaches every worker at start with its weights (``consumer.cluster.positions``), and every
+checkpoint's position is the union of every worker's books, which the chief writes with the
+model. Step numbers, ``--steps`` and checkpoints go on from the checkpoint's step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stagefeed.common.errors import BrokenError, ConfigError
+from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer.checkpoints import Checkpoints
+from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.cluster import loop
 from stagefeed.consumer.cluster.collective_stop import sum_over_workers, vote_for
+from stagefeed.consumer.cluster.positions import share_resume, union_position
+from stagefeed.consumer.cluster.shared_state import broadcast_variables
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
+from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd
 from stagefeed.consumer.trainer_base import StepObserver, StepRecord
@@ -74,14 +79,34 @@ class ClusterTrainer(KerasTrainer):
                  list(plan.targets))  # fmt: skip
         return self
 
+    def model_format(self, model: Any) -> ModelFormat:
+        """The Keras format, whose restore waits for ``book_positions``: every worker builds
+        the optimizer under the strategy at the same point, then gets the chief's weights."""
+        return dataclasses.replace(keras_format(model), restore=lambda path: None)
+
     def book_positions(self, checkpoints: Checkpoints) -> None:
-        """No position (the module docstring): a checkpoint to resume from is refused."""
-        if checkpoints.resumed is not None:
-            raise ConfigError(
-                f"--save {self.options.save_dir!r} holds a checkpoint ({checkpoints.resumed.path})"
-                " but a cluster does not resume yet: each worker books only the batches it "
-                "trained (docs/resume.md, Limits); pass --fresh to start over"
+        """The chief's checkpoint (or a fresh start) on every worker: its weights, step and
+        input position; then this worker's books, read as the cluster's union at each
+        checkpoint (every worker, collectives in the same order)."""
+        assert self.model is not None
+        cluster, model = self.cluster, self.model
+        resumed = share_resume(cluster, checkpoints.resumed)
+        if resumed is not None:
+            with cluster.strategy.scope():
+                if not model.optimizer.built:
+                    model.optimizer.build(model.trainable_variables)
+            if cluster.chief:
+                keras_format(model).restore(resumed.model_path)
+            broadcast_variables(
+                cluster.strategy, _unique([*model.weights, *model.optimizer.variables])
             )
+        checkpoints.resumed = resumed
+        self.step_base = self.resume_books(checkpoints, joined_only=True)
+        if resumed is not None:
+            restore_iterations(model, self.step_base)
+        books = self.ledger.shards
+        assert books is not None
+        checkpoints.position = lambda: union_position(cluster, books)
 
     def train(self, stop: threading.Event, health_check: Callable[[], None] | None = None) -> None:
         """Train until the cluster's vote ends the run. Raises this worker's own failure
@@ -99,9 +124,10 @@ class ClusterTrainer(KerasTrainer):
         watcher.start()
         self._last_end = time.monotonic()
         try:
+            total = self.options.total_steps
             end = loop.train(
                 self.cluster.strategy, self.model, iter(self._dataset),
-                steps=self.options.total_steps,
+                steps=total - self.step_base if total else 0,
                 local=lambda: vote_for(run_end.poll()),
                 after_step=self._after_step,
             )  # fmt: skip
@@ -109,8 +135,9 @@ class ClusterTrainer(KerasTrainer):
             watch_done.set()
             join_threads([watcher], JOIN_TIMEOUT_S)
             feed.books.end()
-        self.cluster_totals = self._sum_books(end.steps)  # on every worker, before any raises
         mine = run_end.verdict
+        # On every worker, before any raises: the books, and whether a worker will raise.
+        self.cluster_totals, failed = self._sum_books(end.steps, mine.failure is not None)
         if mine.failure is not None:  # FAIL, or a drain after a producer's source failed
             raise mine.failure
         if end.verdict.ending is Ending.FAIL:
@@ -118,20 +145,23 @@ class ClusterTrainer(KerasTrainer):
         if end.verdict.ending is Ending.DRAIN:
             self.data_ended = mine.data_ended
             self.drained_because = end.verdict.reason
-        if self.checkpoints is not None:
-            self.checkpoints.final(self.steps_done)
+        if self.checkpoints is not None and not failed:  # a collective: every worker or none
+            finished = end.verdict.reason if end.verdict.ending is Ending.DRAIN else ""
+            self.checkpoints.final(self.steps_done, finished or self.finished(self.steps_done))
 
-    def _sum_books(self, steps: int) -> dict[str, int]:
+    def _sum_books(self, steps: int, failed: bool) -> tuple[dict[str, int], int]:
         """The cluster's books: every worker's totals summed (one all-reduce, which every
-        worker reaches here after the same last step). The chief's summary carries them."""
+        worker reaches here after the same last step), which the chief's summary carries;
+        and how many workers ``failed`` (those raise their failure: no final checkpoint)."""
         totals = self.ledger.totals()
         names = ("received", "trained", "queued", "abandoned", "not_enqueued", "dropped",
                  "seq_missing")  # fmt: skip
         summed = sum_over_workers(
-            self.cluster.strategy, [float(getattr(totals, name)) for name in names]
+            self.cluster.strategy,
+            [float(getattr(totals, name)) for name in names] + [float(failed)],
         )
-        books = {name: round(value) for name, value in zip(names, summed, strict=True)}
-        return {"workers": self.cluster.count, "steps": steps, **books}
+        books = {name: round(value) for name, value in zip(names, summed, strict=False)}
+        return {"workers": self.cluster.count, "steps": steps, **books}, round(summed[-1])
 
     def _watch(self, run_end: RunEnd, done: threading.Event) -> None:
         """Close the queue once this worker's verdict is not RUNNING: a fetch waiting for a
@@ -142,9 +172,10 @@ class ClusterTrainer(KerasTrainer):
                 self.feed.queue.close()
                 return
 
-    def _after_step(self, step: int, figures: dict[str, float]) -> None:
+    def _after_step(self, done: int, figures: dict[str, float]) -> None:
         """(the loop's thread) book the step this worker trained, show it, checkpoint."""
         assert self.feed is not None
+        step = self.step_base + done
         books = self.feed.books
         books.step_done(1)
         now = time.monotonic()
@@ -162,3 +193,9 @@ class ClusterTrainer(KerasTrainer):
         self.epoch_ended(step)
         if self.checkpoints is not None:
             self.checkpoints.after_step(step)
+
+
+def _unique(variables: list[Any]) -> list[Any]:
+    """``variables`` without repeats (a weight may be listed twice), in order."""
+    seen: set[int] = set()
+    return [v for v in variables if id(v) not in seen and not seen.add(id(v))]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-from stagefeed.common import protocol
+from stagefeed.common import protocol, tf_config
 from stagefeed.common.curve import key_fingerprint
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.ledger import Ledger
@@ -67,6 +67,13 @@ class Dispatch:
         self._internal_log = LogThrottle()
         self._delivered_and_ended = False  # a producer that delivered said end (see below)
         self._data_ended = threading.Event()
+        # A cluster worker sees only its own shards, and a pass ends when every shard ended it.
+        config = tf_config.from_environ()
+        self._no_passes = (
+            f"a source with passes feeds one trainer; this one is a worker of a cluster of "
+            f"{config.num_workers} (TF_CONFIG): give the source no passes (docs/resume.md)"
+            if config is not None and config.num_workers > 1 else ""
+        )  # fmt: skip
         resumed = ledger.shards.resumed if ledger.shards is not None else None
         self.passes = PassBooks(options.epochs, resumed)
         self._enqueued = enqueued  # batches enqueued so far (``Availability.enqueued``)
@@ -195,7 +202,7 @@ class Dispatch:
             return None
         named = protocol.shard_of_hello(header)
         why = "a producer with passes must name its shard" if named is None else None
-        why = why or self.passes.join(named[0], named[1])
+        why = why or self._no_passes or self.passes.join(named[0], named[1])
         if why is None:
             return named[0]
         self._ledger.refused(name, DropReason.SHARD.value, why)

@@ -62,8 +62,9 @@ def restore_iterations(model: keras.Model, step: int) -> None:
     """``optimizer.iterations`` is the checkpoint's ``step`` after a restore (a schedule reads
     it); said in the log when the file held another count."""
     iterations = model.optimizer.iterations
-    if int(iterations) != step:
-        log.info("optimizer.iterations %d -> %d: the checkpoint's step", int(iterations), step)
+    now = int(iterations.numpy())  # not int(): a strategy's mirrored variable has no __int__
+    if now != step:
+        log.info("optimizer.iterations %d -> %d: the checkpoint's step", now, step)
         iterations.assign(step)
 
 

@@ -45,7 +45,7 @@ from stagefeed.common.errors import ConfigError, NonFiniteLoss
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import model_ref
-from stagefeed.consumer.checkpoints import Checkpoints
+from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.keras_fit.callback import FeedCallback
 from stagefeed.consumer.keras_fit.model_check import check_model
@@ -128,13 +128,17 @@ class KerasTrainer(TrainerBase):
         plan = check_model(ref, model, self.schema, options.targets)
         self.model = model
         if options.save_dir is not None:
-            self.checkpoints = Checkpoints(options, keras_format(model))  # restores, resuming
+            self.checkpoints = Checkpoints(options, self.model_format(model))  # restores
             self.book_positions(self.checkpoints)
         self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
         self._dataset = self.feed.dataset(plan.mapping(), strategy=strategy, cast="step")
         return plan
+
+    def model_format(self, model: keras.Model) -> ModelFormat:
+        """How ``Checkpoints`` saves and restores ``model`` (a ``.keras`` file)."""
+        return keras_format(model)
 
     def book_positions(self, checkpoints: Checkpoints) -> None:
         """With ``--save``: book the input position per shard (restored from the checkpoint
@@ -150,9 +154,7 @@ class KerasTrainer(TrainerBase):
         """Batches in the feed's queue after the last step (no TF call)."""
         return self._queued
 
-    def train(
-        self, stop: threading.Event, health_check: Callable[[], None] | None = None
-    ) -> None:
+    def train(self, stop: threading.Event, health_check: Callable[[], None] | None = None) -> None:
         """``fit`` until the run's steps are done, ``stop`` is set or the data ended.
 
         Raises ``BrokenError`` if the intake or the producers failed and ``NonFiniteLoss`` at
@@ -254,7 +256,6 @@ class KerasTrainer(TrainerBase):
             self.feed.close()
 
 
-
 def _count_trained_steps_only(model: keras.Model, trained: int) -> None:
     """``optimizer.iterations`` back to the steps trained, if ``fit`` counted one more.
 
@@ -299,7 +300,8 @@ class _Steps(keras.callbacks.Callback):
         trainer.metrics_last = {
             name: float(value)
             for name, value in (logs or {}).items()
-            if name != "loss" and not name.startswith(self.books.prefix)
+            if name != "loss"
+            and not name.startswith(self.books.prefix)
             and isinstance(value, (int, float, np.floating, np.integer))
         }
         record = StepRecord(
