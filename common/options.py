@@ -13,6 +13,7 @@ import re
 
 from stagefeed.common import endpoints
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.position import MAX_SHARDS
 from stagefeed.common.protocol import MAX_HEADER_BYTES as HEADER
 from stagefeed.common.schema import DEFAULT_SCHEMA, Schema
 
@@ -94,6 +95,28 @@ def check_number(
         raise ConfigError(f"{field} must be {what} {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
+def _check_shard_group(value: object, workers: int) -> None:
+    """``ConfigError`` naming ``value`` unless it is ``(G, K)`` with ``0 <= G < K`` and
+    ``K * workers`` shards at most ``MAX_SHARDS`` (what a hello and a position may carry)."""
+    ok = (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
+    if not ok:
+        raise ConfigError(f"shard_group must be (GROUP, GROUPS), two integers, got {value!r:.40}")
+    group, groups = value  # type: ignore[misc]
+    if not 0 <= group < groups:
+        raise ConfigError(
+            f"shard_group {group}/{groups}: expected GROUP/GROUPS with 0 <= GROUP < GROUPS"
+        )
+    if groups * workers > MAX_SHARDS:
+        raise ConfigError(
+            f"shard_group {group}/{groups} with workers {workers}: {groups * workers} shards, "
+            f"more than {MAX_SHARDS}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class ProducerOptions:
     """One producer process's settings (``stagefeed produce`` starts ``workers`` of them).
@@ -125,6 +148,7 @@ class ProducerOptions:
     # or "drop" (logged and counted), like tf.data's drop_remainder. Never padded.
     short_batch: str = "refuse"
     heartbeat_timeout_s: float = 0.0  # 0: derived from the batch size (common/liveness.py)
+    shard_group: tuple[int, int] = (0, 1)  # (G, K): group G of K (``--shard-group G/K``)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connect", check_endpoints("connect", self.connect))
@@ -132,6 +156,7 @@ class ProducerOptions:
         _check_transport(self.transport)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
+        _check_shard_group(self.shard_group, self.workers)
         if self.schema is not None and not isinstance(self.schema, Schema):
             raise ConfigError(f"schema must be a Schema or None, got {type(self.schema).__name__}")
         check_number("inflight_mb", self.inflight_mb)

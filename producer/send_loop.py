@@ -74,11 +74,13 @@ def send_all(
         except (ConfigError, BrokenError) as exc:
             raise SourceFailed(exc) from exc
         log.info(
-            "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s%s%s",
+            "producer %s -> %s: %s (%.1f MiB a batch), at most %d held, source %s%s%s%s",
             worker.producer_id, ", ".join(options.connect), schema.describe(),
             schema.batch_bytes / MIB, max_unsent, options.source,
-            f"; shard {worker.index} of {worker.count} from batch {start}"
-            if welcome.resume else "",
+            # The global shard (``--shard-group``), always: which of several ``produce``
+            # commands' streams this is, resumed or not.
+            f"; shard {worker.index} of {worker.count}",
+            f" from batch {start}" if welcome.resume else "",
             f"; pass {pass_} of {pass_count} from batch {base}" if welcome.passes else "",
         )  # fmt: skip
         ended = _send_feed(options, feed, base + at.start, (start, skipped), channel, welcome,

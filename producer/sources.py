@@ -63,8 +63,11 @@ log = logging.getLogger(__name__)
 class WorkerInfo:
     """Which producer process a source runs in: worker ``index`` of ``count``.
 
-    ``producer_id`` is unique per process run (host, pid, index, nonce); ``seed`` is
-    ``--seed + index``, so a run is reproducible and workers differ.
+    ``index`` and ``count`` are global: worker ``i`` of ``produce --workers N --shard-group
+    G/K`` is ``G*N + i`` of ``K*N`` (``producer.worker.worker_info``), so sources that split
+    their data by them split it across every group. ``producer_id`` is unique per process
+    run (host, pid, index, nonce); ``seed`` is ``--seed + index``, so a run is reproducible
+    and workers differ.
 
     ``index`` of ``count`` is also the *shard* the producer says it carries (docs/resume.md):
     an identity that survives restarts. ``start`` is the batch of this shard's stream the

@@ -13,13 +13,14 @@ ZeroMQ delivers for up to ``FLUSH_TIMEOUT_S``. A source that fails finishes the 
 (the batches it made before are delivered), its ``end`` carrying ``source_error`` and the
 error's text, and then the error is raised (exit 2 or 3). A stop discards what is held.
 
-Resume (docs/resume.md): the hello names the shard (worker ``index`` of ``count``) and
-whether its source can seek; the batches' ``seq`` is their place in the shard's stream. A
-welcome that carries a position (a trainer with ``--save``) says where to start and which
-batches above to skip; the source is opened there (``WorkerInfo.start``, or read from its
-first batch and fast-forwarded when it cannot seek). A *later* welcome with a position (the
-trainer restarted, or the connection was replaced) makes the producer rewind: it discards
-what it holds, closes the channel and starts over on a new one, where the new welcome says.
+Resume (docs/resume.md): the hello names the shard (worker ``index`` of ``count``, global
+across ``--shard-group``s: ``worker_info``) and whether its source can seek; the batches'
+``seq`` is their place in the shard's stream. A welcome that carries a position (a trainer
+with ``--save``) says where to start and which batches above to skip; the source is opened
+there (``WorkerInfo.start``, or read from its first batch and fast-forwarded when it cannot
+seek). A *later* welcome with a position (the trainer restarted, or the connection was
+replaced) makes the producer rewind: it discards what it holds, closes the channel and starts
+over on a new one, where the new welcome says.
 """
 
 from __future__ import annotations
@@ -57,15 +58,19 @@ FLUSH_TIMEOUT_S = 30.0
 _flushing = threading.Event()
 
 
-def producer_id(index: int) -> str:
-    """Unique per process run: host, pid, worker index and a nonce (no reuse after restart)."""
+def producer_id(shard: int) -> str:
+    """Unique per process run: host, pid, global shard and a nonce (no reuse after restart)."""
     host = "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:32]
-    return f"{host}-{os.getpid()}-{index}-{secrets.token_hex(2)}"
+    return f"{host}-{os.getpid()}-{shard}-{secrets.token_hex(2)}"
 
 
 def worker_info(options: ProducerOptions, index: int) -> WorkerInfo:
-    """What worker ``index`` of ``options.workers`` tells its source (seed: ``seed + index``)."""
-    return WorkerInfo(index, options.workers, producer_id(index), options.seed + index)
+    """What worker ``index`` of ``options.workers`` tells its source: its global shard,
+    ``G * workers + index`` of ``K * workers`` for ``--shard-group G/K``, and the seed
+    ``seed + shard`` (each group draws other data; ``0/1``: shard ``index``, as before)."""
+    group, groups = options.shard_group
+    shard = group * options.workers + index
+    return WorkerInfo(shard, groups * options.workers, producer_id(shard), options.seed + shard)
 
 
 class _ParentWatch:

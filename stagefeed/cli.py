@@ -19,7 +19,12 @@ from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ON_NAN, TRANSPORTS, ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema, image_schema, load_schema
-from stagefeed.producer_flags import add_connect_flags, add_producer_flags, endpoints
+from stagefeed.producer_flags import (
+    add_connect_flags,
+    add_producer_flags,
+    add_shard_group_flag,
+    endpoints,
+)
 
 log = logging.getLogger("stagefeed")
 
@@ -175,6 +180,7 @@ def producer_options(
     return ProducerOptions(
         connect=connect,
         heartbeat_timeout_s=getattr(args, "heartbeat_timeout_s", 0.0),  # produce's flag
+        shard_group=getattr(args, "shard_group", (0, 1)),  # produce's flag
         workers=workers,
         schema=schema_from(args, required=False),
         source=args.source,
@@ -268,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("produce", help="start producer processes that push batches to a trainer")
     add_connect_flags(p)  # --connect (several), --connect-tf-config, heartbeats
     envflags.add(p, "--workers", type=int, default=1, help="producer processes")
+    add_shard_group_flag(p)
     add_schema_flags(p, batch_size=256)
     add_producer_flags(p)
     add_data_transport_flag(p)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping
 
 from stagefeed import envflags
@@ -41,6 +42,30 @@ def add_producer_flags(p: argparse.ArgumentParser) -> None:
         "it (counted and logged; like tf.data's drop_remainder)",
     )  # fmt: skip
     envflags.add(g, "--seed", type=int, default=0, help="RNG seed of the synthetic source")
+
+
+def add_shard_group_flag(p: argparse.ArgumentParser) -> None:
+    """``produce``'s ``--shard-group G/K`` (``run``'s producers are the only group)."""
+    envflags.add(
+        p, "--shard-group", type=parse_shard_group, default="0/1", metavar="G/K",
+        help="these --workers are group G of K produce commands (one per trainer worker): "
+        "worker i is shard G*workers+i of K*workers, seed --seed+shard (docs/resume.md)",
+    )  # fmt: skip
+
+
+class ShardGroupSyntaxError(argparse.ArgumentTypeError, ValueError):
+    """A ``--shard-group`` that is not ``G/K``. An ``ArgumentTypeError`` so that argparse
+    shows its text (for a plain ``ValueError`` it only says "invalid value"), and a
+    ``ValueError`` so that ``envflags`` reports it for ``STAGEFEED_SHARD_GROUP`` too."""
+
+
+def parse_shard_group(text: str) -> tuple[int, int]:
+    """``"G/K"`` as ``(G, K)``; ``ShardGroupSyntaxError`` unless it is two unsigned integers
+    around one slash (the range is ``ProducerOptions``'s to check: it knows ``workers``)."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if match is None:
+        raise ShardGroupSyntaxError(f"{text!r}: expected GROUP/GROUPS, such as 0/2")
+    return int(match[1]), int(match[2])
 
 
 def add_connect_flags(p: argparse.ArgumentParser) -> None:

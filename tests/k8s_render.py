@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +119,47 @@ def containers(template: dict[str, Any]) -> list[dict[str, Any]]:
     return [*spec.get("initContainers", []), *spec["containers"]]
 
 
-def environment(container: dict[str, Any], resources: list[dict[str, Any]]) -> dict[str, str]:
-    """What the container's process sees: its ConfigMaps (envFrom, in order), then its env."""
+def environment(
+    container: dict[str, Any],
+    resources: list[dict[str, Any]],
+    pod: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """What the container's process sees, as the kubelet makes it (``MakeEnvironmentVariables``
+    in pkg/kubelet): its ConfigMaps (envFrom, in order), then its env in order, each value's
+    ``$(VAR)`` expanded from what is defined so far (an undefined one stays as written, ``$$``
+    is ``$``), a ``fieldRef`` to ``metadata.labels['K']`` or ``metadata.annotations['K']`` read
+    from ``pod`` (a pod's metadata; a key it lacks reads as empty, as the kubelet's does).
+    Without ``pod``, a variable from a ``fieldRef`` is left out: only a pod has its value."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         env.update(find(resources, "ConfigMap", source["configMapRef"]["name"])["data"])
     for entry in container.get("env", []):
-        env[entry["name"]] = entry["value"]
+        if "value" in entry:
+            env[entry["name"]] = expand(entry["value"], env)
+        elif pod is not None:
+            env[entry["name"]] = field_ref(pod, entry["valueFrom"]["fieldRef"]["fieldPath"])
     return env
+
+
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+_FIELD = re.compile(r"metadata\.(labels|annotations)\['([^']+)'\]")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` in ``value`` from ``env`` (third_party/forked/golang/expansion's rules for
+    what tests use: a defined name is replaced, an undefined one kept, ``$$`` is one ``$``)."""
+
+    def one(match: re.Match[str]) -> str:
+        if match[0] == "$$":
+            return "$"
+        return env.get(match[1], match[0])
+
+    return _REFERENCE.sub(one, value)
+
+
+def field_ref(pod: dict[str, Any], path: str) -> str:
+    """The downward API's ``metadata.labels['K']`` / ``metadata.annotations['K']`` of ``pod``
+    (its metadata); AssertionError for another path (the manifests use no other)."""
+    match = _FIELD.fullmatch(path)
+    assert match, f"fieldRef {path!r}: only labels and annotations are modelled"
+    return str(pod.get(match[1], {}).get(match[2], ""))

@@ -10,7 +10,8 @@ against the CLI as compose is (tests/test_docker.py).
 - both validators are shown to refuse a broken manifest;
 - images are the ones docker/ builds, commands are `stagefeed` subcommands, probes run
   `stagefeed health`; every reference to a ConfigMap names one that is rendered;
-- every STAGEFEED_* variable a container sees is one its command reads.
+- every STAGEFEED_* variable a container sees is one its command reads;
+- every `$(VAR)` in an env value names a variable defined before it (the kubelet's rule).
 
 TF_CONFIG, the producers' endpoints, shared memory and keys: tests/test_k8s_cluster.py.
 """
@@ -90,7 +91,9 @@ def test_the_renderer_is_kustomize_and_refuses_a_broken_kustomization(tmp_path):
 def test_every_overlay_renders_producers_and_trainers(rendered, overlay):
     kinds = sorted(r["kind"] for r in rendered[overlay])
     trainer = ["Job", "Service"] if overlay.startswith("indexed") else ["TFJob"]
-    assert kinds == sorted(["ConfigMap", "ConfigMap", "Deployment", *trainer])
+    # components/local-producers adds one: the sidecars' group count
+    settings = ["ConfigMap"] * (3 if overlay.endswith("-local-producers") else 2)
+    assert kinds == sorted([*settings, "Deployment", *trainer])
 
 
 def kubernetes_validate(path: Path, version: str) -> subprocess.CompletedProcess:
@@ -284,9 +287,25 @@ def test_the_producers_read_the_comma_separated_connect_of_every_overlay(rendere
                 ), overlay
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_variable_reference_names_one_defined_before_it(rendered, overlay):
+    """The kubelet expands ``$(VAR)`` in an env value from the container's ConfigMaps and the
+    entries above it, and leaves any other reference as written: a misspelt or misplaced one
+    would reach the command as ``$(VAR)`` (the local producers' STAGEFEED_SHARD_GROUP)."""
+    resources = rendered[overlay]
+    for name, template in k8s.pod_templates(resources).items():
+        for container in k8s.containers(template):
+            defined = set(k8s.environment({"envFrom": container.get("envFrom", [])}, resources))
+            for entry in container.get("env", []):
+                for reference in re.findall(r"\$\(([^)]*)\)", entry.get("value", "")):
+                    assert reference in defined, (name, container["name"], entry)
+                defined.add(entry["name"])
+
+
 def test_every_variable_the_manifests_set_is_documented():
     text = "\n".join(p.read_text() for p in k8s.K8S_DIR.rglob("*.yaml"))
-    used = set(re.findall(r"\bSTAGEFEED_[A-Z0-9_]+", text))
+    # and the local producers' own: their pod's index and the trainer workers
+    used = set(re.findall(r"\b(?:STAGEFEED|TRAINER)_[A-Z0-9_]+", text))
     assert used, "deploy/k8s names no variable?"
     guide = (Path(__file__).parent.parent / "docs" / "kubernetes.md").read_text()
     assert sorted(v for v in used if v not in guide) == []

@@ -1,8 +1,9 @@
 """deploy/k8s as a cluster: the TF_CONFIG each trainer worker gets for 1, 2 and 8 workers
 (Indexed Job: derived in the pod by common/tf_config.py; TFJob: as the training operator
-writes it), the producers' endpoints, the local producers' sidecar, and the keys each pod
-mounts. Rendered by kustomize (tests/k8s_render.py); the worker count changed the way
-docs/kubernetes.md tells (a patch of the Job or TFJob and of the producers)."""
+writes it), the producers' endpoints, the local producers' sidecar (and each pod's shard
+group), and the keys each pod mounts. Rendered by kustomize (tests/k8s_render.py); the worker
+count changed the way docs/kubernetes.md tells (a patch of the Job or TFJob and of the
+producers, and the local producers' TRAINER_WORKERS)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,21 @@ from typing import Any
 import pytest
 import yaml
 from stagefeed.common import curve, tf_config
+from stagefeed.common.options import ProducerOptions
+from stagefeed.producer.worker import worker_info
 
+from stagefeed import envflags
+from stagefeed.cli import build_parser, producer_options
+from stagefeed.producer_flags import endpoints
 from tests import k8s_render as k8s
 from tests.test_k8s import renderer_or_skip
 
 # None: the overlay as shipped (2 workers), its own figures checked against each other.
 WORKERS = [None, 1, 2, 8]
 FEED_PORT = 5555
+# components/local-producers: the ConfigMap and key holding the trainer workers, the count of
+# the sidecars' shard groups.
+LOCAL_SETTINGS, GROUPS = "stagefeed-local-producers", "TRAINER_WORKERS"
 
 
 def with_workers(tmp_path: Path, overlay: str, workers: int | None) -> list[dict[str, Any]]:
@@ -55,6 +64,10 @@ def with_workers(tmp_path: Path, overlay: str, workers: int | None) -> list[dict
         "resources": [os.path.relpath(k8s.K8S_DIR / "overlays" / overlay, root)],
         "patches": [*patches, {"patch": yaml.safe_dump(producer)}],
     }
+    if overlay.endswith("-local-producers"):  # the sidecars' group count
+        kustomization["configMapGenerator"] = [
+            {"name": LOCAL_SETTINGS, "behavior": "merge", "literals": [f"{GROUPS}={workers}"]}
+        ]
     (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     return k8s.build(root)
 
@@ -192,10 +205,83 @@ def test_local_producers_share_the_trainers_pod_socket_and_keep_the_trainer(tmp_
     assert side["STAGEFEED_CONNECT"] == f"tcp://127.0.0.1:{feed_port(env)}"
     limit = sidecar["resources"]["limits"]["memory"]
     assert limit.endswith("Gi") and int(limit[:-2]) * 2**30 > 16 * 256 * 227 * 227 * 3 * 4
-    if kind == "tfjob":  # the JSON patch holds the Job's sidecar, word for word
-        job = with_workers(tmp_path, "indexed-local-producers", 1)
+    if kind == "tfjob":  # the JSON patch holds the Job's sidecar, word for word, but for
+        # where the pod's index comes from (test_each_pods_local_producers_are_their_own_group)
+        job = with_workers(tmp_path, "indexed-local-producers", 2)  # the same ConfigMaps
         (job_template,) = [t for n, t in k8s.pod_templates(job).items() if "producer" not in n]
-        assert job_template["spec"]["initContainers"] == [sidecar]
+        (job_sidecar,) = job_template["spec"]["initContainers"]
+        assert [index_source(job_sidecar), index_source(sidecar)] == [
+            f"metadata.annotations['{JOB_INDEX}']",
+            f"metadata.labels['{TFJOB_INDEX}']",
+        ]
+        assert without_index_source(job_sidecar) == without_index_source(sidecar)
+
+
+# Where a trainer pod's index is (the downward API): the Indexed Job's completion index, the
+# annotation Kubernetes derives JOB_COMPLETION_INDEX from; the training operator's pod label.
+JOB_INDEX = "batch.kubernetes.io/job-completion-index"
+TFJOB_INDEX = "training.kubeflow.org/replica-index"
+INDEX_VARIABLE = "TRAINER_INDEX"
+
+
+def index_source(sidecar: dict[str, Any]) -> str:
+    (entry,) = [e for e in sidecar["env"] if e["name"] == INDEX_VARIABLE]
+    return entry["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+def without_index_source(sidecar: dict[str, Any]) -> dict[str, Any]:
+    env = [e for e in sidecar["env"] if e["name"] != INDEX_VARIABLE]
+    return {**sidecar, "env": env}
+
+
+def pod_metadata(kind: str, template: dict[str, Any], index: int) -> dict[str, Any]:
+    """The metadata of pod ``index`` as Kubernetes makes it from ``template``: the Job
+    controller's completion-index annotation (and label), or the training operator's
+    replica-index label (kubeflow/training-operator v1, pkg/common/util: ReplicaIndexLabel)."""
+    labels = dict(template["metadata"].get("labels", {}))
+    if kind == "indexed":
+        return {"labels": {**labels, JOB_INDEX: str(index)}, "annotations": {JOB_INDEX: str(index)}}
+    return {"labels": {**labels, TFJOB_INDEX: str(index)}}
+
+
+@pytest.mark.parametrize("kind", ["indexed", "tfjob"])
+@pytest.mark.parametrize("workers", WORKERS)
+def test_each_pods_local_producers_are_their_own_group(tmp_path, monkeypatch, kind, workers):
+    """The sidecar's STAGEFEED_SHARD_GROUP, composed by the kubelet from the pod's index and
+    TRAINER_WORKERS, read by the real `produce` command line: pod G of K is group G/K, so the
+    pods' producers carry every shard 0..K*N-1 once (docs/resume.md)."""
+    resources = with_workers(tmp_path, f"{kind}-local-producers", workers)
+    (template,) = [t for n, t in k8s.pod_templates(resources).items() if "producer" not in n]
+    if kind == "indexed":
+        pods = k8s.find(resources, "Job", "trainer")["spec"]["completions"]
+    else:
+        pods = k8s.find(resources, "TFJob", "trainer")["spec"]["tfReplicaSpecs"]["Worker"]
+        pods = pods["replicas"]
+    assert pods == (workers or 2)
+    (sidecar,) = template["spec"]["initContainers"]
+    shards = []
+    for index in range(pods):
+        env = k8s.environment(sidecar, resources, pod_metadata(kind, template, index))
+        assert env["STAGEFEED_SHARD_GROUP"] == f"{index}/{pods}"
+        options = produce_options(monkeypatch, env)
+        assert options.shard_group == (index, pods)
+        infos = [worker_info(options, i) for i in range(options.workers)]
+        assert {w.count for w in infos} == {pods * options.workers}
+        shards += [w.index for w in infos]
+    assert sorted(shards) == list(range(pods * int(env["STAGEFEED_WORKERS"])))
+
+
+def produce_options(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> ProducerOptions:
+    """``ProducerOptions`` of `stagefeed produce` run in ``env`` (its STAGEFEED_* variables
+    only: the container sees no other): the real parser, its environment check, its options."""
+    for name in [n for n in os.environ if n.startswith(envflags.PREFIX)]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if name.startswith(envflags.PREFIX):
+            monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["produce"])
+    envflags.check(args)
+    return producer_options(args, endpoints(args), args.workers)
 
 
 @pytest.mark.parametrize("overlay", ["indexed", "tfjob"])
