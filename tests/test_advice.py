@@ -42,6 +42,15 @@ def test_input_bound_without_deliveries_says_so() -> None:
     assert "no producer delivered a batch in the last 10 s" in result.text
 
 
+def test_input_bound_without_a_step_rate_names_no_producer_count() -> None:
+    # Steps of no measurable time (a run that failed at its first checkpoint): the rate the
+    # step consumes is unknown, so no count of producers is advised (it once raised).
+    f = window(seconds=10, steps=5, wait_s=8.0, step_s=0.0, per_producer={"a": 20})
+    result = advise(f)
+    assert result.kind == advice.INPUT_BOUND
+    assert result.text.endswith("producers deliver 2.0 batches/s"), result.text
+
+
 def test_wire_bound_when_receiving_near_the_link() -> None:
     # 100 float32 batches of 1.18 MiB in 10 s: 11.8 MiB/s on a 12 MiB/s link.
     f = window(seconds=10, steps=100, wait_s=5.0, step_s=5.0, per_producer={"a": 100})

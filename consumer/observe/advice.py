@@ -86,6 +86,10 @@ def _starved(f: Figures, wire_mb_s: float) -> tuple[str, str]:
         return INPUT_BOUND, (
             f"{INPUT_BOUND}: {head}; no producer delivered a batch in the last {f.seconds:.0f} s"
         )
+    if not f.consume_per_s > 0:  # no step timed in the window (a run that ended early)
+        return INPUT_BOUND, (
+            f"{INPUT_BOUND}: {head}; producers deliver {f.deliver_per_s:.1f} batches/s"
+        )
     per_producer = f.deliver_per_s / f.producers_active
     more = max(1, producers_needed(f.consume_per_s, per_producer) - f.producers_active)
     return INPUT_BOUND, (

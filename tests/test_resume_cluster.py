@@ -1,0 +1,196 @@
+"""A MultiWorkerMirroredStrategy cluster resumes exactly (docs/resume.md, "Several trainer
+workers"): two ``stagefeed train`` workers (``TF_CONFIG`` on loopback), each fed by its own
+``stagefeed produce --shard-group g/2`` (one shard each), killed with SIGKILL and re-run until
+the data ends.
+
+The model (``tests/resume_models.py:keras_counter``) counts how often each row was trained (its
+counter adds every worker's rows, all-reduced, so every copy is the same) and fits one scalar
+with Adam. Only the chief's ``--save DIR`` is read: it reaches the other worker at start (the
+step, the union of the workers' books, the weights). Every row trained exactly ``EPOCHS``
+times, ``optimizer.iterations`` equal to the steps, and the scalar equal to one uninterrupted
+``fit`` of as many steps (the global batch's mean gradient is a single batch's here, since
+every row's target is the same) show that nothing was trained twice or skipped, on either
+worker, and that the weights and the optimizer went on unbroken on both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from tests.conftest import cli_env
+from tests.procs import log_text, wait_log
+from tests.resume_models import EPOCHS, ROWS, keras_reference_w, keras_state_in, stream
+from tests.test_cluster_cli import cluster_config, distinct_ports
+
+WORKERS = 2
+STEPS = len(stream(0, WORKERS))  # one shard a worker, every pass: 24 steps, a batch a worker
+TIMEOUT_S = 240  # two TensorFlow workers and two producers on two shared cores
+MODEL = [
+    "--schema", "tests.resume_models:SCHEMA", "--model", "tests.resume_models:keras_counter",
+    "--warmup-steps", "0", "--progress-s", "100", "--producer-timeout-s", "4",
+    "--recv-threads", "1",
+]  # fmt: skip
+
+
+class ClusterRun:
+    """The cluster's processes, started with the same flags each time: ``feeds`` (the workers'
+    feed ports) stay, so producers kept running reach the workers started again."""
+
+    def __init__(self, start_cli, tmp_path) -> None:
+        self.start_cli = start_cli
+        self.tmp_path = tmp_path
+        self.feeds = [f"tcp://127.0.0.1:{port}" for port in distinct_ports(WORKERS)]
+        self.trainers: list = []
+        self.producers: list = []
+
+    def save(self, index: int):
+        return self.tmp_path / f"save-{index}"
+
+    def start_trainers(self, round_name: str) -> None:
+        tf_ports = distinct_ports(WORKERS)
+        self.trainers = [
+            self.start_cli(
+                ["train", *MODEL, "--bind", self.feeds[i], "--steps", "0",
+                 "--checkpoint-every", "5", "--save", str(self.save(i)),
+                 "--json", str(self.tmp_path / f"{round_name}-{i}.json")],
+                name=f"{round_name}-worker-{i}",
+                env=cli_env(TF_CONFIG=cluster_config(i, tf_ports)),
+            )  # fmt: skip
+            for i in range(WORKERS)
+        ]
+
+    def start_producers(self, round_name: str) -> None:
+        self.producers = [
+            self.start_cli(
+                ["produce", "--connect", self.feeds[g], "--workers", "1",
+                 "--shard-group", f"{g}/{WORKERS}", "--schema", "tests.resume_models:SCHEMA",
+                 "--source", "tests.resume_models:rows", "--rate", "4"],
+                name=f"{round_name}-producer-{g}",
+            )  # fmt: skip
+            for g in range(WORKERS)
+        ]
+
+    def kill_at(self, pattern: str, *, producers: bool) -> str:
+        """SIGKILL the workers (and the producers), once the chief's log has ``pattern``;
+        the chief's log."""
+        chief = self.trainers[0]
+        assert wait_log(chief, pattern, TIMEOUT_S), log_text(chief)[-4000:]
+        for proc in self.trainers + (self.producers if producers else []):
+            proc.kill_group()
+        return log_text(chief)
+
+    def summary(self, round_name: str, index: int) -> dict:
+        return json.loads((self.tmp_path / f"{round_name}-{index}.json").read_text())
+
+
+def _resumed_step(text: str) -> int:
+    found = re.search(r"resuming from \S+state-(\d+)\.json: step (\d+)", text)
+    assert found and int(found.group(1)) == int(found.group(2)), text[-4000:]
+    return int(found.group(2))
+
+
+@pytest.mark.slow
+def test_a_cluster_killed_twice_resumes_and_trains_every_row_exactly_epochs_times(
+    start_cli, tmp_path
+):
+    run = ClusterRun(start_cli, tmp_path)
+    # 1. Everything killed mid-run (the trainers and the producers).
+    run.start_trainers("first")
+    run.start_producers("first")
+    run.kill_at(r"step 10: checkpoint", producers=True)
+    # 2. All started again; only the trainers killed, at their first checkpoint of this run:
+    #    the producers keep running, and rewind when the next workers welcome them.
+    run.start_trainers("second")
+    run.start_producers("second")
+    text = run.kill_at(r"resuming from(?s:.*)step \d+: checkpoint", producers=False)
+    first_resume = _resumed_step(text)
+    assert first_resume >= 10 and first_resume % 5 == 0
+    # 3. The workers again, with the same producers: to the end of the data.
+    run.start_trainers("last")
+    for index, trainer in enumerate(run.trainers):
+        assert trainer.wait(TIMEOUT_S) == 0, log_text(trainer)[-4000:]
+        base = _resumed_step(log_text(trainer))  # every worker resumes the chief's checkpoint
+        assert base > first_resume
+        summary = run.summary("last", index)
+        assert (summary["steps"], summary["resumed_from"]) == (STEPS - base, base), summary
+        assert summary["batches"]["trained"] == STEPS - base
+    for producer in run.producers:
+        assert producer.wait(TIMEOUT_S) == 0, log_text(producer)[-3000:]
+        assert "the trainer moved shard" in log_text(producer)
+    chief_text = log_text(run.trainers[0])
+    assert f"resumed from step {base}" in chief_text
+    counts, w, iterations = keras_state_in(str(run.save(0) / "model.keras"))
+    assert np.array_equal(counts, np.full(ROWS, EPOCHS, np.float32)), {
+        "rows not trained EPOCHS times": {int(i): float(counts[i])
+                                          for i in np.flatnonzero(counts != EPOCHS)}
+    }  # fmt: skip
+    assert iterations == STEPS
+    assert np.isclose(w, keras_reference_w(STEPS), rtol=1e-5, atol=0), w
+    state = json.loads((run.save(0) / "state.json").read_text())
+    assert state["step"] == STEPS and state["finished"], state
+    # The union of the workers' books: each worker trained its one shard, all of it.
+    streams = state["input"]["streams"]
+    assert state["input"]["shards"] == WORKERS
+    assert {s: (p["next"], p["above"]) for s, p in streams.items()} == {
+        str(g): (STEPS, []) for g in range(WORKERS)
+    }
+    assert not (run.save(1) / "state.json").exists()  # only the chief writes
+
+
+@pytest.mark.slow
+def test_a_shard_fed_to_two_workers_is_refused_at_the_first_checkpoint(start_cli, tmp_path):
+    """Both producers say they are shard 0 of 2, one to each worker: each worker would train
+    that shard's batches, blind to the other's. At the first checkpoint every worker stops
+    with one line naming the shard and both workers (exit 2), and no state file is written."""
+    run = ClusterRun(start_cli, tmp_path)
+    run.start_trainers("twice")
+    run.producers = [
+        start_cli(
+            ["produce", "--connect", run.feeds[g], "--workers", "1", "--shard-group", "0/2",
+             "--schema", "tests.resume_models:SCHEMA", "--source", "tests.resume_models:rows",
+             "--rate", "4"],
+            name=f"twice-producer-{g}",
+        )  # fmt: skip
+        for g in range(WORKERS)
+    ]
+    for trainer in run.trainers:
+        assert trainer.wait(TIMEOUT_S) == 2, log_text(trainer)[-4000:]
+        line = log_text(trainer).strip().splitlines()[-1]
+        assert "shard 0 is fed to workers 0 and 1" in line, line
+        assert "Traceback" not in log_text(trainer)
+    assert not list((run.save(0) / "checkpoints").glob("state-*.json"))
+
+
+def test_a_cluster_worker_refuses_a_producer_with_passes(monkeypatch):
+    """A pass ends when every shard ended it, and a cluster worker sees only its own shards:
+    the hello of a source with passes is refused (reason ``shard``), saying why."""
+    import zmq
+    from stagefeed.common import protocol
+    from stagefeed.common.ledger import Ledger
+    from stagefeed.common.options import TrainerOptions
+    from stagefeed.consumer.intake.intake import Intake
+
+    from tests.resume_models import SCHEMA
+
+    monkeypatch.setenv("TF_CONFIG", cluster_config(1, distinct_ports(WORKERS)))
+    options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=SCHEMA, queue_mb=1)
+    intake = Intake(options, SCHEMA, lambda arrays, peer, seq: True, Ledger()).start()
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(intake.endpoint)
+        sock.send(protocol.encode_control(
+            "hello", name="p-passes", schema=None, shard=0, shards=2, seek=True, passes=True
+        ))  # fmt: skip
+        assert sock.poll(10_000), "no reply from the intake"
+        reply = protocol.decode_header(sock.recv(), protocol.FROM_TRAINER)
+        assert reply["t"] == "refused" and reply["reason"] == "shard", reply
+        assert "worker of a cluster of 2 (TF_CONFIG)" in reply["detail"], reply
+    finally:
+        intake.close()
+        ctx.destroy(linger=0)
