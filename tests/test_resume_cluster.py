@@ -1,7 +1,7 @@
 """A MultiWorkerMirroredStrategy cluster resumes exactly (docs/resume.md, "Several trainer
 workers"): two ``stagefeed train`` workers (``TF_CONFIG`` on loopback), each fed by its own
-``stagefeed produce --shard-group g/2`` (one shard each), killed with SIGKILL and re-run until
-the data ends.
+``stagefeed produce --shard-group g/2`` (one shard each; one in shared memory, the other over
+tcp), killed with SIGKILL and re-run until the data ends.
 
 The model (``tests/resume_models.py:keras_counter``) counts how often each row was trained (its
 counter adds every worker's rows, all-reduced, so every copy is the same) and fits one scalar
@@ -32,8 +32,10 @@ TIMEOUT_S = 240  # two TensorFlow workers and two producers on two shared cores
 MODEL = [
     "--schema", "tests.resume_models:SCHEMA", "--model", "tests.resume_models:keras_counter",
     "--warmup-steps", "0", "--progress-s", "100", "--producer-timeout-s", "4",
-    "--recv-threads", "1",
+    "--recv-threads", "1", "--transport", "auto",
 ]  # fmt: skip
+# Worker 0's producer hands its batches over in shared memory, worker 1's over ZeroMQ (tcp).
+TRANSPORTS = ("shm", "zmq")
 
 
 class ClusterRun:
@@ -67,7 +69,8 @@ class ClusterRun:
         self.producers = [
             self.start_cli(
                 ["produce", "--connect", self.feeds[g], "--workers", "1",
-                 "--shard-group", f"{g}/{WORKERS}", "--schema", "tests.resume_models:SCHEMA",
+                 "--transport", TRANSPORTS[g], "--shard-group", f"{g}/{WORKERS}",
+                 "--schema", "tests.resume_models:SCHEMA",
                  "--source", "tests.resume_models:rows", "--rate", "4"],
                 name=f"{round_name}-producer-{g}",
             )  # fmt: skip
@@ -118,6 +121,8 @@ def test_a_cluster_killed_twice_resumes_and_trains_every_row_exactly_epochs_time
         summary = run.summary("last", index)
         assert (summary["steps"], summary["resumed_from"]) == (STEPS - base, base), summary
         assert summary["batches"]["trained"] == STEPS - base
+        by_shm = (summary["shm"] or {}).get("batches", 0)
+        assert by_shm == (summary["batches"]["received"] if TRANSPORTS[index] == "shm" else 0)
     for producer in run.producers:
         assert producer.wait(TIMEOUT_S) == 0, log_text(producer)[-3000:]
         assert "the trainer moved shard" in log_text(producer)
