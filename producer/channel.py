@@ -145,7 +145,10 @@ class TrainerChannel:
             hand_back=hand_back,
             hello_fields=hello_fields,
         )
-        self._thread = threading.Thread(target=link.run, name=THREAD_NAME, daemon=True)
+        # Named by its trainer: a producer fanning out has one channel thread per trainer.
+        self._thread = threading.Thread(
+            target=link.run, name=f"{THREAD_NAME} {endpoint}", daemon=True
+        )
         self.welcome: Welcome | None = None
         # The latest ``Repositioned`` since ``open``: a later welcome moved this shard.
         self.repositioned: tuple[int, list[list[int]]] | None = None

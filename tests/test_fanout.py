@@ -70,6 +70,10 @@ def test_make_channel_is_a_plain_channel_for_one_trainer_and_a_fanout_for_severa
     try:
         assert isinstance(one, TrainerChannel) and isinstance(two, Fanout)
         assert two.endpoint == "tcp://127.0.0.1:9, tcp://127.0.0.1:10"
+        # one thread a trainer, named by it (a thread dump tells them apart)
+        assert [c._thread.name for c in two.channels] == [
+            "stagefeed-channel tcp://127.0.0.1:9", "stagefeed-channel tcp://127.0.0.1:10"
+        ]  # fmt: skip
     finally:
         one.close()
         two.close()
