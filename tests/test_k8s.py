@@ -43,7 +43,11 @@ OVERLAYS = [
     "tfjob-gpu",
     "indexed-local-producers",
     "tfjob-local-producers",
+    "indexed-resume",
+    "tfjob-resume",
 ]
+# Overlays with components/local-producers (the *-resume ones compose it with checkpoints).
+LOCAL_PRODUCERS = ("-local-producers", "-resume")
 # The oldest Kubernetes the guide supports (native sidecars on by default) and the newest
 # kubernetes-validate bundles.
 KUBERNETES = ["1.29.0", "1.37.0"]
@@ -92,8 +96,10 @@ def test_every_overlay_renders_producers_and_trainers(rendered, overlay):
     kinds = sorted(r["kind"] for r in rendered[overlay])
     trainer = ["Job", "Service"] if overlay.startswith("indexed") else ["TFJob"]
     # components/local-producers adds one: the sidecars' group count
-    settings = ["ConfigMap"] * (3 if overlay.endswith("-local-producers") else 2)
-    assert kinds == sorted([*settings, "Deployment", *trainer])
+    settings = ["ConfigMap"] * (3 if overlay.endswith(LOCAL_PRODUCERS) else 2)
+    # components/checkpoints: the claim the run's folder is on
+    claim = ["PersistentVolumeClaim"] if overlay.endswith("-resume") else []
+    assert kinds == sorted([*settings, *claim, "Deployment", *trainer])
 
 
 def kubernetes_validate(path: Path, version: str) -> subprocess.CompletedProcess:
