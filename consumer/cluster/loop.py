@@ -68,8 +68,11 @@ def train(
     steps: int = 0,
     local: Callable[[], Ending] = lambda: Ending.RUNNING,
     after_step: Callable[[int, dict[str, float]], None] | None = None,
+    first_step: int = 1,
 ) -> LoopEnd:
-    """Train until the cluster's vote is not ``RUNNING``; see the module docstring."""
+    """Train until the cluster's vote is not ``RUNNING``; see the module docstring. Steps are
+    numbered from ``first_step`` (a resumed run goes on from its checkpoint's step) in
+    ``after_step`` and the log; ``LoopEnd.steps`` counts this call's."""
     stop = CollectiveStop(strategy)
     step = DistributedStep(strategy, model)
     done = 0
@@ -82,7 +85,8 @@ def train(
             if verdict.go:
                 figures = DistributedStep.figures(step(batch, verdict.global_batch))
         except CLUSTER_BROKEN as exc:
-            broken = f"cluster broken after step {done}: {broken_cause(exc)}; restart every worker"
+            broken = (f"cluster broken after step {first_step - 1 + done}: {broken_cause(exc)}; "
+                      "restart every worker")  # fmt: skip
         if broken is not None:
             # Raised outside the handler, and after a collection: an eager all-reduce that
             # failed leaves TensorFlow's ThreadPool (cross_device_ops) unclosed, held by the
@@ -92,11 +96,11 @@ def train(
             raise BrokenError(broken)
         if not verdict.go:
             log.info("cluster: %s after step %d (this worker voted %s)",
-                     verdict.reason, done, vote.name)  # fmt: skip
+                     verdict.reason, first_step - 1 + done, vote.name)  # fmt: skip
             return LoopEnd(done, verdict)
         done += 1
         if after_step is not None:
-            after_step(done, figures)
+            after_step(first_step - 1 + done, figures)
 
 
 def broken_cause(exc: tf.errors.OpError) -> str:

@@ -130,6 +130,7 @@ class ClusterTrainer(KerasTrainer):
                 steps=total - self.step_base if total else 0,
                 local=lambda: vote_for(run_end.poll()),
                 after_step=self._after_step,
+                first_step=self.step_base + 1,
             )  # fmt: skip
         finally:
             watch_done.set()
@@ -172,10 +173,9 @@ class ClusterTrainer(KerasTrainer):
                 self.feed.queue.close()
                 return
 
-    def _after_step(self, done: int, figures: dict[str, float]) -> None:
+    def _after_step(self, step: int, figures: dict[str, float]) -> None:
         """(the loop's thread) book the step this worker trained, show it, checkpoint."""
         assert self.feed is not None
-        step = self.step_base + done
         books = self.feed.books
         books.step_done(1)
         now = time.monotonic()
