@@ -76,6 +76,20 @@ def test_the_data_ends_only_once_every_shards_stream_is_all_trained_or_in_flight
     assert books.missing() == {}
 
 
+def test_a_cluster_worker_waits_only_for_the_shards_that_joined_it():
+    """``joined_only`` (a cluster worker: each shard feeds one worker): shard 0 of the union
+    is another worker's, so this worker's data ends once its own shard 1 is complete."""
+    union = InputPosition(2, {0: StreamPosition(2), 1: StreamPosition(2)})
+    books = ShardBooks(union, joined_only=True)
+    assert books.missing() == {}  # no shard of its own yet: the intake's rule waits anyway
+    assert books.join(1, 2, True) is None and books.joined == {1}
+    assert books.missing() == {1: 2}
+    books.ended(1, 3)
+    assert books.admit(1, 2) is None
+    assert books.missing() == {}
+    assert ShardBooks(union).missing() == {0: 2, 1: 2}  # one trainer waits for every shard
+
+
 def test_a_hello_with_another_shard_count_is_refused_naming_both():
     books = ShardBooks(InputPosition(2))
     assert "shard 0 of 3; the checkpoint resumed has 2 shards" in books.join(0, 3, True)
