@@ -123,8 +123,8 @@ def _checked(
         raise ConfigError(f"--save {options.save_dir!r} holds a finished run ({path}: step "
                           f"{step}, {state['finished']}): nothing to resume; {again}")  # fmt: skip
     if state.get("input") is None:
-        raise ConfigError(f"checkpoint {path} holds no input position (a cluster's, or "
-                          "one from before positions were booked): resuming it would train "
+        raise ConfigError(f"checkpoint {path} holds no input position (written before "
+                          "positions were booked): resuming it would train "
                           f"batches twice or never; {again}")  # fmt: skip
     position = InputPosition.from_dict(state["input"], f"checkpoint {path}")
     epoch = state.get("epoch")
