@@ -178,7 +178,8 @@ def test_sigterm_to_one_worker_stops_both_after_the_same_step(workers):
 def test_a_collective_timeout_fails_the_waiting_worker_when_its_peer_stalls(workers):
     # Alive but stalled (heartbeats go on): only the collective timeout ends the wait.
     settings = {"steps": 6, "batch": 4, "timeout_s": 5}
-    group = workers(settings, {**settings, "stall_at": 3, "stall_s": 20})
+    # The stall outlasts the peer's timeout and its exit (about 6 s), not much more.
+    group = workers(settings, {**settings, "stall_at": 3, "stall_s": 12})
     (code0, first), (code1, second) = group.wait()
     assert (code0, code1) == (3, 3)
     assert first["broken"] == (
