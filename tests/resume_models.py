@@ -31,6 +31,13 @@ def stream(index: int, count: int) -> list[np.ndarray]:
     return per_pass * EPOCHS
 
 
+def miscounted(counts: np.ndarray) -> dict[int, float]:
+    """The rows not trained exactly ``EPOCHS`` times, with their counts (empty: every row was;
+    the message of a failed check)."""
+    assert counts.shape == (ROWS,), counts.shape
+    return {int(i): float(counts[i]) for i in np.flatnonzero(counts != EPOCHS)}
+
+
 def rows(schema, worker) -> Iterator[dict[str, np.ndarray]]:
     """The shard's stream from batch ``worker.start`` on (seekable)."""
     for ids in stream(worker.index, worker.count)[worker.start :]:
