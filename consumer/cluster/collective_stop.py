@@ -170,19 +170,3 @@ class CollectiveStop:
             return context.all_reduce(tf.distribute.ReduceOp.SUM, ballot)
 
         return self.strategy.run(ballot, args=(batch, local))
-
-
-def sum_over_workers(strategy: tf.distribute.Strategy, values: list[float]) -> list[float]:
-    """Every worker's ``values`` summed over the cluster, the same list on every worker: one
-    all-reduce, so every worker must call it at the same point (after the loop, before any
-    worker raises its own failure)."""
-    local = len(strategy.extended.worker_devices)
-    mine = tf.constant([v / local for v in values], tf.float64)  # each local replica adds it
-
-    @tf.function
-    def total() -> Any:
-        return strategy.reduce(
-            tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.identity(mine)), axis=None
-        )
-
-    return [float(v) for v in total().numpy()]

@@ -21,7 +21,6 @@ worker, at the same step, since every worker computes the same union).
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from stagefeed.common.errors import ConfigError
@@ -30,8 +29,6 @@ from stagefeed.common.shard_books import ShardBooks
 from stagefeed.consumer.cluster.shared_state import broadcast_bytes, gather_bytes
 from stagefeed.consumer.cluster.strategy import Cluster
 from stagefeed.consumer.resume import Resume
-
-log = logging.getLogger(__name__)
 
 
 def share_resume(cluster: Cluster, resumed: Resume | None) -> Resume | None:

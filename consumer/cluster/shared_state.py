@@ -1,8 +1,8 @@
 """State that one worker of the cluster holds and every worker needs: moved by all-reduces.
 
-Resume (docs/resume.md, "Several trainer workers") needs three moves, each made by every
-worker at the same point of its run (each is a collective: a worker that skips it leaves the
-others waiting):
+Every worker calls each of these at the same point of its run (each is a collective: a worker
+that skips it leaves the others waiting). Resume (docs/resume.md, "Several trainer workers")
+needs three moves:
 
 - ``broadcast_bytes``: the chief's bytes (the checkpoint it resumes from, as JSON) to every
   worker; the others pass None;
@@ -11,12 +11,14 @@ others waiting):
   variables were made is not mirrored by the strategy);
 - ``gather_bytes``: every worker's bytes (its books of the input position) to every worker.
 
-All three are one SUM all-reduce in which the first replica of the worker that owns a part
+and the end of a run one sum (``sum_over_workers``: the cluster's books in every summary).
+
+Each is made of SUM all-reduces in which the first replica of the worker that owns a part
 contributes it and every other replica zeros (a broadcast), or each worker's first replica its
-own slice of a vector laid end to end (a gather). Sums of zeros and one value are exact in
-every dtype. ``replica_id_in_sync_group`` numbers workers' replicas consecutively, the chief's
-first (``consumer.cluster.strategy``: worker index 0), so replica ``i * local`` is worker
-``i``'s first.
+own part (a sum; a gather: its slice of a vector laid end to end). Sums of zeros and one value
+are exact in every dtype. ``replica_id_in_sync_group`` numbers workers' replicas
+consecutively, the chief's first (``consumer.cluster.strategy``: worker index 0), so replica
+``i * local`` is worker ``i``'s first.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 
-def _sum_over_workers(
+def _first_replicas_sum(
     strategy: tf.distribute.Strategy, parts: Sequence[Any], chief_only: bool = False
 ) -> list[Any]:
     """``parts`` (tensors or arrays, this worker's) summed over the workers, each worker's
@@ -87,19 +89,26 @@ def gather_bytes(
     lengths, then the bytes laid end to end)."""
     lengths = np.zeros(count, np.int64)
     lengths[index] = len(data)
-    (lengths,) = _sum_over_workers(strategy, [lengths])
+    (lengths,) = _first_replicas_sum(strategy, [lengths])
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     laid = np.zeros(max(int(offsets[-1]), 1), np.int32)  # int32: the collectives' smallest int
     laid[offsets[index] : offsets[index + 1]] = np.frombuffer(data, np.uint8)
-    (laid,) = _sum_over_workers(strategy, [laid])
+    (laid,) = _first_replicas_sum(strategy, [laid])
     return [laid[offsets[i] : offsets[i + 1]].astype(np.uint8).tobytes() for i in range(count)]
 
 
 def broadcast_variables(strategy: tf.distribute.Strategy, variables: Sequence[Any]) -> None:
-    """Assign worker 0's value of each variable on every worker (one all-reduce for all)."""
+    """Assign worker 0's value of each variable on every worker (an all-reduce per dtype)."""
     if not variables:
         return
     values = [tf.convert_to_tensor(v.value if hasattr(v, "value") else v) for v in variables]
-    summed = _sum_over_workers(strategy, values, chief_only=True)
+    summed = _first_replicas_sum(strategy, values, chief_only=True)
     for variable, value in zip(variables, summed, strict=True):
         variable.assign(value)
+
+
+def sum_over_workers(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:
+    """Every worker's ``values`` summed over the cluster, the same list on every worker (after
+    the loop, before any worker raises its own failure)."""
+    (summed,) = _first_replicas_sum(strategy, [np.asarray(values, np.float64)])
+    return [float(v) for v in summed]

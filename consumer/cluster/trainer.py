@@ -39,9 +39,9 @@ from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.cluster import loop
-from stagefeed.consumer.cluster.collective_stop import sum_over_workers, vote_for
+from stagefeed.consumer.cluster.collective_stop import vote_for
 from stagefeed.consumer.cluster.positions import share_resume, union_position
-from stagefeed.consumer.cluster.shared_state import broadcast_variables
+from stagefeed.consumer.cluster.shared_state import broadcast_variables, sum_over_workers
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
 from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
