@@ -156,6 +156,7 @@ class TrainerChannel:
         self._accepted = 0
         self._sent = 0
         self._released = 0
+        self._discarded = 0  # released without being sent (stale after a rewind)
         self._on_release: dict[int, OnRelease] = {}
         self._credit = 0
         self.lost = 0  # connections to the trainer lost so far
@@ -283,7 +284,7 @@ class TrainerChannel:
     def in_zeromq(self) -> int:
         """Batches given to ZeroMQ whose buffers it still holds."""
         self._drain(reraise=False)
-        return self._sent - self._released
+        return self._sent - (self._released - self._discarded)
 
     def refused(self) -> dict[str, int]:
         """Batches the trainer dropped so far, by reason (its ``dropped`` verdicts)."""
@@ -394,6 +395,7 @@ class TrainerChannel:
     def _handle(self, event: object, reraise: bool = True) -> None:
         if isinstance(event, Released):
             self._released += 1
+            self._discarded += not event.sent
             callback = self._on_release.pop(event.seq, None)
             if callback is not None:
                 callback()

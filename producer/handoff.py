@@ -127,9 +127,11 @@ class Sent:
 
 @dataclasses.dataclass(frozen=True)
 class Released:
-    """ZeroMQ let go of every buffer of batch ``seq``: they may be rewritten."""
+    """ZeroMQ let go of every buffer of batch ``seq``: they may be rewritten. ``sent``: False
+    for a batch discarded unsent (stale after a rewind), which ZeroMQ never held."""
 
     seq: int
+    sent: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

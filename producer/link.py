@@ -291,7 +291,7 @@ class Link:
             if self._stale(self._outbox[0]):
                 out = self._outbox.popleft()
                 out.frames = []
-                self._events.put(Released(out.seq))
+                self._events.put(Released(out.seq, sent=False))
                 continue
             if not self._send_batch(self._outbox[0]):
                 return
