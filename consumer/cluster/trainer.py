@@ -161,8 +161,9 @@ class ClusterTrainer(KerasTrainer):
             self.cluster.strategy,
             [float(getattr(totals, name)) for name in names] + [float(failed)],
         )
-        books = {name: round(value) for name, value in zip(names, summed, strict=False)}
-        return {"workers": self.cluster.count, "steps": steps, **books}, round(summed[-1])
+        *counts, failed_workers = summed
+        books = {name: round(value) for name, value in zip(names, counts, strict=True)}
+        return {"workers": self.cluster.count, "steps": steps, **books}, round(failed_workers)
 
     def _watch(self, run_end: RunEnd, done: threading.Event) -> None:
         """Close the queue once this worker's verdict is not RUNNING: a fetch waiting for a
