@@ -100,7 +100,7 @@ def test_two_workers_two_producers_each_feeding_both_train_the_same_steps(start_
 def test_a_producer_killed_is_survived_and_a_worker_killed_stops_the_other(start_cli, tmp_path):
     """A producer killed mid-run: the other feeds both workers on. Then a worker killed
     mid-run: the survivor leaves its collective with one line naming the broken cluster
-    (exit 3) within the coordination service's heartbeat timeout (10 s), not a hang."""
+    (exit 3) within two of the coordination service's heartbeat timeouts (10 s), not a hang."""
     cluster = Cluster(start_cli, tmp_path, steps=0)  # until stopped
     progress = re.compile(r"step (\d+)/-")
 

@@ -21,8 +21,8 @@ collective the others are in or enter next: TensorFlow aborts every collective o
 process (``UnavailableError``, ``DeadlineExceededError``) and the cluster cannot go on;
 ``train`` raises ``BrokenError`` naming the step and the cause in one line. Measured on
 loopback (docs/scaling.md): a worker killed with SIGKILL is noticed within about 2 s when
-it was the collectives' leader (worker 0) and after the coordination service's 10 s
-heartbeat timeout otherwise.
+it was the collectives' leader (worker 0) and after one or two of the coordination
+service's heartbeat timeouts (10 s by default) otherwise.
 """
 
 from __future__ import annotations
