@@ -12,6 +12,9 @@ producer:
   (a stream identity that survives restarts, docs/resume.md) and numbers its batches along
   that shard's whole stream; ``seek``: its source can start at any batch (else the producer
   fast-forwards it, and the trainer calls that shard's position approximate).
+  ``confirm`` (true; only with ``shard``): this producer can stay after its ``end`` until a
+  checkpoint holds all of its shard (``saved``), so that a trainer killed before that gets
+  the tail again from it (docs/resume.md).
 - ``batch``  ``{"seq": int, "arrays": [[name, dtype.str, shape], ...]}``, then one raw frame
   per array, C order, in the header's order. Sent only against credit (see below).
 - ``shm_batch`` ``{"seq": int, "desc": {"pool", "slot", "gen", "seq"}}``: a batch committed in
@@ -32,6 +35,8 @@ producer:
   this shard ended: its batches are ``..seq-1``, the next pass starts at ``seq``. Sent after
   the pass's last batch; the producer's unused credit returns to the trainer, and it makes
   no batch of the next pass before ``next_pass`` (docs/resume.md, "Passes").
+- ``leaving`` ``{}``: (after the trainer's ``saved``) the producer got it and leaves. A trainer
+  closing waits a moment for it, since a message can be lost with the connection it came on.
 
 From the trainer:
 
@@ -45,6 +50,11 @@ From the trainer:
   (``resume_of_welcome`` checks them).
   ``pass``, ``pass_start``, ``pass_count`` (together, only to a hello that said ``passes``): the
   pass to make now, the ``seq`` it starts at, and how many passes the trainer trains.
+  ``confirm`` (true; only to a hello that said it, only with ``start``): this trainer will
+  send ``saved`` once a checkpoint holds the whole shard.
+- ``saved`` ``{"seq": int}``: (a welcome that said ``confirm``) a complete checkpoint holds
+  every batch of this shard's stream, which ends at ``seq`` (the producer's ``end``): the
+  producer may leave; until then it stays and rewinds if a later welcome moves its shard.
 - ``next_pass`` ``{"pass": int}``: every shard ended the pass before and it was trained: make
   pass ``pass``. The producer's credit is 0 again; ``credit`` follows.
 - ``refused`` ``{"reason": str, "detail": str}``: hello refused (schema mismatch, limits).
@@ -88,9 +98,9 @@ PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 16384
 MAX_DETAIL_LEN = 300
 MAX_PRODUCER_NAME = 64
-FROM_PRODUCER = frozenset(["hello", "batch", "shm_batch", "end", "ping", "end_pass"])
+FROM_PRODUCER = frozenset(["hello", "batch", "shm_batch", "end", "ping", "end_pass", "leaving"])
 FROM_TRAINER = frozenset(
-    ["welcome", "refused", "credit", "dropped", "release", "bye", "next_pass"]
+    ["welcome", "refused", "credit", "dropped", "release", "bye", "next_pass", "saved"]
 )
 # Why a producer said ``end`` (its bye): values are stable, they label a metric.
 END_OK = "ok"
@@ -105,6 +115,7 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "end": {"seq": (int,)},
     "ping": {},
     "end_pass": {"seq": (int,), "pass": (int,)},
+    "leaving": {},
     "next_pass": {"pass": (int,)},
     "welcome": {"schema": (dict,), "max_message": (int,), "credit": (int,)},
     "refused": {"reason": (str,), "detail": (str,)},
@@ -112,16 +123,19 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "dropped": {"seq": (int,), "reason": (str,), "detail": (str,)},
     "release": {"pool": (str,), "slot": (int,), "gen": (int,)},
     "bye": {},
+    "saved": {"seq": (int,)},
 }
 # Optional keys of a kind, in groups: each group all or none (v2 stays strict: nothing else
 # is accepted).
 _OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
     "hello": ({"shm": (bool,)}, {"session": (str,)},
-              {"shard": (int,), "shards": (int,), "seek": (bool,)}, {"passes": (bool,)}),
+              {"shard": (int,), "shards": (int,), "seek": (bool,)}, {"passes": (bool,)},
+              {"confirm": (bool,)}),
     "end": ({"reason": (str,), "detail": (str,)},),
     "welcome": ({"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},
                 {"start": (int,), "skip": (list,)},
-                {"pass": (int,), "pass_start": (int,), "pass_count": (int,)}),
+                {"pass": (int,), "pass_start": (int,), "pass_count": (int,)},
+                {"confirm": (bool,)}),
 }
 SESSION = re.compile(r"[0-9a-f]{32}")
 _INT_RANGE = {

@@ -19,6 +19,11 @@ the position holds exactly the batches whose effect is in that model.
   data waits for it: a producer that ended with the batches a killed trainer lost still
   missing is moved back by its next welcome (it rewinds), and a shard whose producer is gone
   is waited for (and logged), never skipped in silence.
+- ``saved(position)``: a checkpoint holding ``position`` is complete. ``saved_end(shard)`` is
+  where the shard's stream ends once a complete checkpoint holds all of it (the checkpoint
+  resumed from counts): the intake then tells that shard's producer ``saved``, and only then
+  may the producer leave (``confirms``: the trainer writes checkpoints that say so; a
+  ``ServedFeed`` whose loop calls ``saved`` itself).
 
 Thread-safe (its own lock; the ``Ledger`` calls it under its lock, never the reverse).
 """
@@ -37,10 +42,20 @@ log = logging.getLogger(__name__)
 class ShardBooks:
     """Per-shard trained and in-flight batches (see the module docstring)."""
 
-    def __init__(self, resumed: InputPosition | None = None, joined_only: bool = False) -> None:
+    def __init__(
+        self,
+        resumed: InputPosition | None = None,
+        joined_only: bool = False,
+        confirms: bool = False,
+    ) -> None:
         self._lock = threading.Lock()
         self.resumed = resumed
         self._position = resumed or InputPosition(0)
+        self.confirms = confirms
+        self.saves = 0  # ``saved`` calls so far: the intake looks again when it changes
+        self._saved_ends: dict[int, int] = {}
+        if resumed is not None:
+            self.saved(resumed)
         self._in_flight: dict[int, set[int]] = {}
         # Shards whose producer joined here. A cluster worker is fed only some shards (each
         # shard feeds one worker): its ``missing`` looks at those alone (``joined_only``).
@@ -113,6 +128,22 @@ class ShardBooks:
                 if stream.end is None or start < stream.end:
                     out[shard] = start
             return out
+
+    def saved(self, position: InputPosition) -> None:
+        """A checkpoint holding ``position`` is complete (its state file is written)."""
+        ends = {
+            shard: stream.end
+            for shard, stream in position.streams.items()
+            if stream.end is not None and stream.next >= stream.end
+        }
+        with self._lock:
+            self._saved_ends.update(ends)
+            self.saves += 1
+
+    def saved_end(self, shard: int) -> int | None:
+        """Where ``shard``'s stream ends, if a complete checkpoint holds all of it; else None."""
+        with self._lock:
+            return self._saved_ends.get(shard)
 
     def lost(self, shard: int, seq: int) -> None:
         """Batch ``seq`` left the feed untrained (abandoned): it may come again."""

@@ -25,6 +25,12 @@ worker of a cluster saves its model to a temporary directory that is removed at 
 writes no state; but it reads ``position()`` too, right after its save, because a cluster's
 position is gathered from every worker (``consumer.cluster.positions``: a collective).
 
+``on_saved(position)`` is told each position once a checkpoint holding it is complete (the
+trainer's ``ShardBooks.saved``: producers whose whole shard it holds may leave). The chief
+tells it after its state file; another worker tells it one checkpoint later, when the next
+gather shows that the chief got past its write (the chief writes before it trains on), or
+after the cluster's barrier at the end (``confirm_written``).
+
 A directory that already holds a run is resumed from its newest complete checkpoint, or
 refused, or (``--fresh``) moved aside: ``consumer.resume``; the chief decides at start.
 
@@ -113,6 +119,8 @@ class Checkpoints:
                 raise ValueError("this model format cannot restore a checkpoint")
             model.restore(self.resumed.model_path)
         self.written: list[str] = []  # state files written, oldest first
+        self.on_saved: Callable[[InputPosition], None] | None = None
+        self._unconfirmed: InputPosition | None = None  # a worker's: the chief writes it
 
     def after_step(self, step: int) -> str | None:
         """A checkpoint if ``step`` is a multiple of ``checkpoint_every``; its state file."""
@@ -142,8 +150,10 @@ class Checkpoints:
                 self.model.save(os.path.join(scratch, name))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-            if self.position is not None:
-                self.position()  # every worker: a cluster's position is gathered (collective)
+            if self.position is not None:  # every worker: a cluster's position is gathered
+                position = self.position()  # (collective): the chief's previous write is done
+                self.confirm_written()
+                self._unconfirmed = position
             return None
         os.makedirs(folder, exist_ok=True)
         files = self.model.save(os.path.join(folder, name))
@@ -156,7 +166,17 @@ class Checkpoints:
         path = os.path.join(folder, state)
         _write_atomically(path, self._state(step, files, name, finished, position))
         self.written.append(path)
+        if self.on_saved is not None and position is not None:
+            self.on_saved(position)
         return path
+
+    def confirm_written(self) -> None:
+        """(a worker other than the chief) The chief has written the checkpoint whose position
+        this worker read last: tell ``on_saved``. Call once the cluster is past the chief's
+        write (a later collective)."""
+        if self._unconfirmed is not None and self.on_saved is not None:
+            self.on_saved(self._unconfirmed)
+        self._unconfirmed = None
 
     def _state(
         self,

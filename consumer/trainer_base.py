@@ -156,8 +156,10 @@ class TrainerBase:
         from stagefeed.common.shard_books import ShardBooks
 
         resumed = checkpoints.resumed
-        self.ledger.shards = ShardBooks(resumed.position if resumed else None, joined_only)
-        checkpoints.position = self.ledger.shards.position
+        books = ShardBooks(resumed.position if resumed else None, joined_only, confirms=True)
+        self.ledger.shards = books
+        checkpoints.position = books.position
+        checkpoints.on_saved = books.saved
         if resumed is None:
             return 0
         self.resumed_from = resumed.step

@@ -71,6 +71,7 @@ from stagefeed.producer.handoff import (
     Released,
     Repositioned,
     Returned,
+    Saved,
     Sent,
     Shutdown,
     Welcome,
@@ -153,6 +154,8 @@ class TrainerChannel:
         # The latest ``Repositioned`` since ``open``: a later welcome moved this shard.
         self.repositioned: tuple[int, list[list[int]]] | None = None
         self.trainer_pass = 0  # the pass the trainer is in (``NextPass``)
+        self.confirms = False  # the trainer will say ``saved`` (its welcome said ``confirm``)
+        self.saved: int | None = None  # the end of the stream a complete checkpoint holds
         self._accepted = 0
         self._sent = 0
         self._released = 0
@@ -314,6 +317,14 @@ class TrainerChannel:
         while wait and self.trainer_pass <= pass_ and self.repositioned is None:
             self._wait(stop)
 
+    def wait_saved(self, end: int, stop: Any) -> bool:
+        """After ``finish``: wait until the trainer says a checkpoint holds this shard's whole
+        stream (ending at ``end``); True then. False at once if it will not say so, or as soon
+        as a later welcome moved this shard (``repositioned``) or stopped confirming."""
+        while self.confirms and self.saved != end and self.repositioned is None:
+            self._wait(stop)
+        return self.confirms and self.saved == end
+
     def begin_finish(self, count: int, deadline: float, reason: str, detail: str) -> None:
         """``finish`` without waiting: ``drained`` is set once it is done."""
         self._require_open()
@@ -413,10 +424,13 @@ class TrainerChannel:
         elif isinstance(event, Welcomed):
             self.welcome = event.welcome
             self.trainer_pass = event.welcome.passes[0] if event.welcome.passes else 0
+            self.confirms = event.welcome.confirm
         elif isinstance(event, NextPass):
             self.trainer_pass = max(self.trainer_pass, event.pass_)
         elif isinstance(event, Repositioned):
             self.repositioned = event.resume
+        elif isinstance(event, Saved):
+            self.saved, self.confirms = event.seq, event.seq is not None
         elif isinstance(event, Drained):
             self.drained = event
         elif isinstance(event, Failed):

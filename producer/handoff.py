@@ -34,6 +34,9 @@ class Welcome:
     resume: tuple[int, list[list[int]]] | None = None
     # To a hello that said ``passes``: ``(pass, pass_start, pass_count)`` (docs/resume.md).
     passes: tuple[int, int, int] | None = None
+    # To a hello that said ``confirm``: the trainer will say ``saved`` once a checkpoint holds
+    # this shard whole; until then a finished producer stays (docs/resume.md).
+    confirm: bool = False
 
 
 @dataclasses.dataclass
@@ -116,6 +119,15 @@ class Repositioned:
     to start again: ``(start, skip ranges)``. The producer rewinds its source there."""
 
     resume: tuple[int, list[list[int]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """The trainer's ``saved {seq}``: a complete checkpoint holds this shard's whole stream,
+    which ends at ``seq``. None: a later welcome did not say ``confirm`` (the trainer there
+    will not say it), so a finished producer has nothing to wait for."""
+
+    seq: int | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -314,6 +314,8 @@ class Link:
             if not self._send_control("end", **_end_fields(self._finish)):
                 return
             self._end_sent = True
+        if session.leaving_due and self._send_control("leaving"):
+            session.leaving_due = False
         if now - self._last_send >= PING_S:
             self._send_control("ping")
 
@@ -392,6 +394,7 @@ class Link:
             ping_in = self._last_send + PING_S - now
             writable_wanted |= ping_in <= 0 or bool(session.credit and self._outbox)
             writable_wanted |= self._finish is not None and not self._end_sent
+            writable_wanted |= session.leaving_due
             if ping_in > 0:
                 timeout = min(timeout, ping_in * 1000)
         if self._finish is not None and not self._drained:

@@ -48,6 +48,7 @@ from stagefeed.producer.handoff import (
     Lost,
     NextPass,
     Repositioned,
+    Saved,
     Welcome,
     Welcomed,
 )
@@ -121,6 +122,7 @@ class Session:
         self._hello_at: float | None = None
         self._bye = False
         self._said_no_welcome = False
+        self.leaving_due = False  # ``leaving`` to send: this connection's trainer said ``saved``
 
     # -- connection events ---------------------------------------------------------------------
 
@@ -190,6 +192,10 @@ class Session:
             if self.welcomed:
                 self.credit = 0
             self._pass_is(header["pass"])
+        elif kind == "saved":
+            if self.welcome is not None and self.welcome.confirm:
+                self._post(Saved(header["seq"]))
+                self.leaving_due = True  # the trainer may be closing: it waits for this
         elif kind == "bye":
             self.credit = 0
             if not self._bye:
@@ -236,12 +242,15 @@ class Session:
                 self._pass_is(passes[0])
             if resume is not None:
                 self._post(Repositioned(resume))
+            elif header.get("confirm") is not True:
+                self._post(Saved(None))  # this trainer will not confirm: nothing to wait for
             return None
         self.schema = agreed
         max_unsent = self._max_unsent_of(agreed)
         self.welcome = Welcome(
-            agreed, header["max_message"], header["credit"], max_unsent, resume, passes
-        )
+            agreed, header["max_message"], header["credit"], max_unsent, resume, passes,
+            confirm=header.get("confirm") is True,
+        )  # fmt: skip
         self.trainer_pass = passes[0] if passes is not None else 0
         self._post(Welcomed(self.welcome))
         return self.welcome

@@ -20,7 +20,10 @@ with ``--save``) says where to start and which batches above to skip; the source
 there (``WorkerInfo.start``, or read from its first batch and fast-forwarded when it cannot
 seek). A *later* welcome with a position (the trainer restarted, or the connection was
 replaced) makes the producer rewind: it discards what it holds, closes the channel and starts
-over on a new one, where the new welcome says.
+over on a new one, where the new welcome says. Such a trainer also says ``saved`` once a
+complete checkpoint holds the shard's whole stream (the hello asks with ``confirm``): a
+producer that finished waits for it before it leaves, so a trainer killed with the tail still
+queued gets it again from here (it rewinds) rather than waiting for the shard.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions
+from stagefeed.producer.channel import TrainerChannel
 from stagefeed.producer.fanout import Channel, make_channel
 from stagefeed.producer.process_pipes import WorkerReports
 from stagefeed.producer.send_loop import Rewind, send_all
@@ -55,6 +59,7 @@ from stagefeed.producer.sources import (
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 30.0
+LEAVING_LINGER_S = 1.0  # for ``leaving`` to reach a trainer that waits for it while closing
 _flushing = threading.Event()
 
 
@@ -203,7 +208,7 @@ def _produce_once(
     channel = make_channel(
         options, worker.producer_id, configure,
         hello_fields={"shard": worker.index, "shards": worker.count,
-                      "seek": is_seekable(factory), **passes},
+                      "seek": is_seekable(factory), "confirm": True, **passes},
     )  # fmt: skip
     name = worker.producer_id
     failure: ConfigError | BrokenError | None = None
@@ -257,6 +262,8 @@ def _finish(
 ) -> str | None:
     """Deliver what is held, then ``end`` (with ``source_error`` and the text of ``failure``
     if the source failed), then let ZeroMQ deliver for what is left of ``FLUSH_TIMEOUT_S``.
+    A trainer that confirms (``TrainerChannel.confirms``) is waited for after a clean ``end``,
+    until a checkpoint of it holds the whole shard (``_wait_saved``).
     Returns the reason the ``end`` carried, or None if it could not be sent."""
     started = time.monotonic()
     reason = protocol.END_OK if failure is None else protocol.END_SOURCE_ERROR
@@ -284,6 +291,9 @@ def _finish(
             channel.endpoint,
             FLUSH_TIMEOUT_S,
         )
+    confirmable = drained.end_sent and failure is None and isinstance(channel, TrainerChannel)
+    if confirmable and _wait_saved(channel, name, outcome.next_seq, stop):
+        linger_s = max(linger_s, LEAVING_LINGER_S)  # ``leaving``: the trainer waits for it
     _flushing.set()
     try:
         channel.close(linger_s)
@@ -292,9 +302,30 @@ def _finish(
     return reason if drained.end_sent else None
 
 
+def _wait_saved(channel: TrainerChannel, name: str, end: int, stop: Any) -> bool:
+    """Stay until the trainer's checkpoint holds the whole stream (``end`` batches): True; or
+    until a later welcome moves the shard (the caller rewinds), or a stop (logged: run it again
+    if that trainer restarts)."""
+    if not channel.confirms:
+        return False
+    log.info("producer %s: waiting until a checkpoint of the trainer holds all %d batches (a "
+             "trainer restarted before that gets the rest from here)", name, end)  # fmt: skip
+    try:
+        saved = channel.wait_saved(end, stop)
+    except ClosedError:
+        log.info("producer %s stopped before the trainer saved all %d batches: run it again if "
+                 "that trainer restarts", name, end)  # fmt: skip
+        return False
+    if saved:
+        log.info("producer %s: the trainer saved all %d batches", name, end)
+    return saved
+
+
 def _seq_range(count: int, end: int | None = None) -> str:
     """``seq A..B`` of the last ``count`` batches before ``end`` (default: ``count``)."""
     end = count if end is None else end
+    if count > end:  # a rewind sent some again
+        return f"seq 0..{end - 1}, some of them again after a rewind"
     return f"seq {end - count}..{end - 1}" if count else "none"
 
 

@@ -113,6 +113,25 @@ def test_another_worker_saves_to_a_scratch_directory_and_writes_nothing_here(tmp
     assert os.listdir(tmp_path) == []
 
 
+def test_a_position_is_told_saved_only_once_its_state_file_is_written(tmp_path):
+    """The chief: after each state file. Another worker: at its next checkpoint (its gather
+    follows the chief's write), or when told the cluster is past the last write."""
+    positions = [InputPosition(1, {0: StreamPosition(n)}) for n in (2, 4, 5)]
+    for chief in (True, False):
+        read, told = iter(positions), []
+        checkpoints = Checkpoints(options(tmp_path / str(chief)), FileModel().format(),
+                                  chief=chief, position=lambda read=read: next(read))  # fmt: skip
+        checkpoints.on_saved = lambda position, told=told: told.append(position.of(0).next)
+        checkpoints.after_step(2)
+        assert told == ([2] if chief else [])
+        checkpoints.after_step(4)
+        assert told == ([2, 4] if chief else [2])
+        checkpoints.final(5)
+        assert told == ([2, 4, 5] if chief else [2, 4])
+        checkpoints.confirm_written()  # the cluster's barrier after the final checkpoint
+        assert told == [2, 4, 5]
+
+
 @pytest.mark.parametrize(
     ("tf_config", "chief"),
     [

@@ -210,6 +210,7 @@ def test_control_messages_round_trip(kind):
         "end": {"seq": 12},
         "ping": {},
         "end_pass": {"seq": 30, "pass": 0},
+        "leaving": {},
     }[kind]
     header = protocol.decode_header(protocol.encode_control(kind, **fields), protocol.FROM_PRODUCER)
     assert header == {"v": 2, "t": kind, **fields}

@@ -9,7 +9,8 @@ its model, or one counting the queued tail as trained, leaves counts of 1 or 3 h
 
 Real processes: ``stagefeed run`` (its whole process group killed), ``stagefeed train`` killed
 alone while ``stagefeed produce`` keeps running (its producers rewind when the new trainer
-welcomes them), and a kill between a checkpoint's model and its state file (the test hook
+welcomes them, also those that had finished: they stay until a checkpoint holds their whole
+shard), and a kill between a checkpoint's model and its state file (the test hook
 ``STAGEFEED_TEST_STATE_DELAY_S``).
 """
 
@@ -20,7 +21,7 @@ import re
 
 import pytest
 
-from tests.conftest import cli_env, free_tcp_port
+from tests.conftest import cli_env, free_tcp_port, wait_for
 from tests.procs import log_text, wait_log
 from tests.resume_models import ROWS, counts_in, miscounted, stream
 
@@ -106,6 +107,31 @@ def test_a_trainer_killed_while_its_producers_keep_running_resumes_exactly(spawn
     assert f"resumed from step {killed}" in text
     assert producers.wait(TIMEOUT_S) == 0, log_text(producers)[-3000:]
     assert "the trainer moved shard" in log_text(producers)
+    _check_every_row_trained_exactly_epochs_times(save)
+
+
+def test_producers_that_finished_stay_until_their_shard_is_saved_and_feed_a_restarted_trainer(
+    spawn, tmp_path
+):
+    save, port = tmp_path / "save", free_tcp_port()
+    train = ["train", "--bind", f"tcp://127.0.0.1:{port}", *MODEL, "--save", str(save)]
+    producers = spawn(["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2",
+                       "--schema", "tests.resume_models:SCHEMA", *SOURCE], "producers")  # fmt: skip
+    # Each checkpoint pauses 2 s between its model and its state file: the producers finish
+    # (every batch and their end delivered) while the trainer still has their tail to train
+    # or to save.
+    trainer = _spawn_env(spawn, train, "trainer", cli_env(STAGEFEED_TEST_STATE_DELAY_S="2"))
+    waiting = "waiting until a checkpoint of the trainer holds all 24 batches"
+    assert wait_for(lambda: log_text(producers).count(waiting) == 2, TIMEOUT_S), (
+        log_text(producers)[-3000:]
+    )
+    trainer.kill_group()
+    assert not (save / "state.json").exists(), "killed too late: the run had ended"
+    assert producers.proc.poll() is None  # finished, and staying for the checkpoint
+    _finished(spawn(train, "trainer-again"))
+    assert producers.wait(TIMEOUT_S) == 0, log_text(producers)[-3000:]
+    text = log_text(producers)
+    assert text.count("the trainer moved shard") == 2 and text.count("saved all 24") == 2, text
     _check_every_row_trained_exactly_epochs_times(save)
 
 

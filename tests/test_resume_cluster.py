@@ -113,11 +113,9 @@ def test_a_cluster_killed_twice_resumes_and_trains_every_row_exactly_epochs_time
     text = run.kill_at(r"resuming from(?s:.*)step \d+: checkpoint", producers=False)
     first_resume = _resumed_step(text)
     assert first_resume >= 10 and first_resume % 5 == 0
-    # A producer that had sent its last batch and its end before the kill exits (docs/
-    # resume.md, Limits: its tail was queued, untrained): restarted, as a user would.
-    ended = [g for g, p in enumerate(run.producers) if " finished: " in log_text(p)]
-    for group in ended:
-        run.producers[group] = run.start_producer(group, "last", 4)
+    # A producer that had sent its last batch and its end before the kill is still there: it
+    # stays until a checkpoint holds its whole shard, so it rewinds like the others.
+    assert all(p.proc.poll() is None for p in run.producers)
     # 3. The workers again, with the producers: to the end of the data.
     run.start_trainers("last")
     for index, trainer in enumerate(run.trainers):
@@ -129,9 +127,10 @@ def test_a_cluster_killed_twice_resumes_and_trains_every_row_exactly_epochs_time
         assert summary["batches"]["trained"] == STEPS - base
         by_shm = (summary["shm"] or {}).get("batches", 0)
         assert by_shm == (summary["batches"]["received"] if TRANSPORTS[index] == "shm" else 0)
-    for group, producer in enumerate(run.producers):
+    for producer in run.producers:  # let go by the final checkpoint, on either worker
         assert producer.wait(TIMEOUT_S) == 0, log_text(producer)[-3000:]
-        assert group in ended or "the trainer moved shard" in log_text(producer)
+        assert "the trainer moved shard" in log_text(producer), log_text(producer)[-3000:]
+        assert "the trainer saved all 24 batches" in log_text(producer)
     chief_text = log_text(run.trainers[0])
     assert f"resumed from step {base}" in chief_text
     counts, w, iterations = keras_state_in(str(run.save(0) / "model.keras"))

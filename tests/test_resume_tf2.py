@@ -1,6 +1,8 @@
 """A custom ``tf.function`` loop resumes exactly (docs/resume.md, "A custom loop"): it saves its
 weights and ``feed.position()`` as JSON, and a later ``ServedFeed(options, resume=...)`` goes
 on from them with the producer restarted; every batch of the stream is trained once overall.
+The second feed confirms its saves (``confirm_saves``): its producer, finished, stays until
+the loop says its last position is saved.
 
 Real producer processes (``stagefeed produce``, killed with SIGKILL between the two feeds) and
 the row counter of ``tests/resume_models.py`` as the loop's only weight. The first loop stops
@@ -77,13 +79,16 @@ def test_a_custom_loop_saves_its_position_and_a_resumed_feed_trains_every_batch_
 
     counts = tf.Variable(np.load(tmp_path / "counts.npy"))
     resume = InputPosition.from_dict(saved, "position.json")
-    with ServedFeed(_options(), resume=resume) as feed:
+    with ServedFeed(_options(), resume=resume, confirm_saves=True) as feed:
         again = _producer(spawn, feed, "producer-again")
         trained = _train(feed, counts, None)
         feed.check()
-        assert again.wait(TIMEOUT_S) == 0, log_text(again)[-3000:]
         final = feed.position()
+        assert again.proc.poll() is None  # finished, and waiting for the loop's checkpoint
+        feed.saved(final)  # the loop wrote its checkpoint with ``final``
+        assert again.wait(TIMEOUT_S) == 0, log_text(again)[-3000:]
     assert f"shard 0 of 1 from batch {FIRST_STEPS}" in log_text(again)  # the welcome's start
+    assert f"the trainer saved all {BATCHES} batches" in log_text(again)
     assert trained == BATCHES - FIRST_STEPS
     assert np.array_equal(counts.numpy(), np.full(ROWS, EPOCHS, np.float32)), counts.numpy()
     assert final.streams[0].next == BATCHES and final.streams[0].end == BATCHES

@@ -149,6 +149,10 @@ class ClusterTrainer(KerasTrainer):
         if self.checkpoints is not None and not failed:  # a collective: every worker or none
             finished = end.verdict.reason if end.verdict.ending is Ending.DRAIN else ""
             self.checkpoints.final(self.steps_done, finished or self.finished(self.steps_done))
+            # A barrier: past it, the chief has written the final state, so every worker
+            # may let its producers go (``Checkpoints.confirm_written``).
+            sum_over_workers(self.cluster.strategy, [0.0])
+            self.checkpoints.confirm_written()
 
     def _sum_books(self, steps: int, failed: bool) -> tuple[dict[str, int], int]:
         """The cluster's books: every worker's totals summed (one all-reduce, which every

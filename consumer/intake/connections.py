@@ -37,6 +37,7 @@ class Connection:
     ended: bool = False
     paused: bool = False  # ended a pass, waits for the next (consumer/intake/passes.py)
     shard: int | None = None  # the shard of a passing producer
+    confirm: bool = False  # welcomed with ``confirm``: told ``saved`` once its shard is saved
 
 
 class Connections:

@@ -6,6 +6,8 @@ threads and hands it each received message); nothing here blocks. It admits hell
 gives each a verdict, books ``end`` with its reason, grants credit, routes slot releases back,
 forgets silent connections, and keeps the end-of-data rule (``data_ended``) and the end of a
 pass (``send_passes``: producers whose sources make passes, ``consumer.intake.passes``).
+A producer welcomed with ``confirm`` that said ``end`` is told ``saved`` once a complete
+checkpoint holds its whole shard (``send_saved``, ``ShardBooks.saved_end``).
 
 Invariants: a batch that took a credit returns it whatever its checks say, and its producer
 gets a verdict (``dropped`` with the reason) unless it was handed to the enqueue threads; a
@@ -77,6 +79,10 @@ class Dispatch:
         resumed = ledger.shards.resumed if ledger.shards is not None else None
         self.passes = PassBooks(options.epochs, resumed)
         self._enqueued = enqueued  # batches enqueued so far (``Availability.enqueued``)
+        # Ended connections welcomed with ``confirm``, not yet told ``saved``: (shard, end).
+        self._unconfirmed: dict[bytes, tuple[int, int]] = {}
+        self._saves_seen = -1
+        self._told_saved: set[bytes] = set()  # told ``saved``, no ``leaving`` yet
 
     def log_internal(self) -> None:
         """Log the exception being handled, in full, at most every few seconds: ``internal``
@@ -112,6 +118,9 @@ class Dispatch:
             shard = self._ledger.shard_of(conn.index)
             if shard is not None and self._ledger.shards is not None:
                 self._ledger.shards.ended(shard, header["seq"])
+                if conn.confirm:
+                    self._unconfirmed[conn.routing_id] = (shard, header["seq"])
+                    self._saves_seen = -1  # look now: the checkpoint may hold it already
             self.conns.end(conn)
             if self.shm is not None:
                 self.shm.ended(conn.routing_id)
@@ -121,6 +130,8 @@ class Dispatch:
                 self._delivered_and_ended = True
         elif kind == "end_pass":
             self._on_end_pass(conn, header)
+        elif kind == "leaving":
+            self._told_saved.discard(routing_id)
 
     def _on_hello(
         self, router: zmq.Socket, routing_id: bytes, header: dict, user_id: str | None
@@ -170,6 +181,9 @@ class Dispatch:
         if books is not None and isinstance(shard, int):
             start, skip = books.welcome(shard)
             position.update(start=start, skip=skip)
+            conn.confirm = books.confirms and header.get("confirm") is True
+            if conn.confirm:
+                position["confirm"] = True
         self.reply(
             router, routing_id, "welcome", schema=self.schema.to_dict(),
             max_message=self.options.max_message_bytes, credit=credit, **shm, **position,
@@ -239,6 +253,30 @@ class Dispatch:
                 self.conns.pause(conn)
                 conn.paused = False
                 self.reply(router, conn.routing_id, "next_pass", **{"pass": epoch})
+
+    def send_saved(self, router: zmq.Socket) -> None:
+        """``saved`` to each ended producer whose whole shard a complete checkpoint holds
+        (looked at after a new checkpoint or a new ``end``); a connection gone is forgotten."""
+        books = self._ledger.shards
+        if books is None or not self._unconfirmed or books.saves == self._saves_seen:
+            return
+        self._saves_seen = books.saves
+        for routing_id, (shard, end) in list(self._unconfirmed.items()):
+            conn = self.conns.get(routing_id)
+            if conn is not None and books.saved_end(shard) != end:
+                continue
+            del self._unconfirmed[routing_id]
+            if conn is not None:
+                log.info("producer %s: shard %d is saved whole (%d batches): it may leave",
+                         conn.name, shard, end)  # fmt: skip
+                self.reply(router, routing_id, "saved", seq=end)
+                self._told_saved.add(routing_id)
+
+    def awaiting_leaving(self) -> bool:
+        """A live connection was told ``saved`` and has not said ``leaving`` yet: a trainer
+        closing waits a moment, or the message could be lost with the connection."""
+        self._told_saved = {rid for rid in self._told_saved if self.conns.get(rid) is not None}
+        return bool(self._told_saved)
 
     def _on_batch(
         self, router: zmq.Socket, conn, header: dict, decode: Callable[[], protocol.Batch]

@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 100
 JOIN_TIMEOUT_S = 3.0
+# How long the last messages (``saved``, ``bye``) may take to reach live producers at close,
+# and how long a closing intake waits for the ``leaving`` of producers told ``saved``.
+BYE_LINGER_MS = 500
+LEAVING_WAIT_S = 2.0
 EXPIRE_EVERY_S = 1.0
 # (arrays, peer index, seq) -> False if the queue was closed for shutdown.
 Enqueue = Callable[[dict[str, Any], int, int], bool]
@@ -215,9 +219,16 @@ class Intake:
                 dispatch.send_passes(router)  # before grants: next_pass zeroes credit
                 dispatch.send_grants(router)
                 dispatch.send_releases(router)
+                dispatch.send_saved(router)
                 dispatch.update_data_ended()
+            dispatch.send_saved(router)  # the final checkpoint's, written just before
+            leaving_by = time.monotonic() + LEAVING_WAIT_S
+            while dispatch.awaiting_leaving() and time.monotonic() < leaving_by:
+                if router.poll(POLL_MS):
+                    self._receive_one(router)
             for conn in conns.live():
                 dispatch.reply(router, conn.routing_id, "bye")
+            router.close(linger=BYE_LINGER_MS)
         finally:
             router.close(linger=0)
             credits.close(linger=0)

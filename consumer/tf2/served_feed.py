@@ -64,7 +64,10 @@ class ServedFeed(Feed):
     """A ``Feed`` bound on ``options.bind``; ``ledger`` holds the books (a new one unless
     given), ``endpoint`` the address producers connect to. ``positions``: book the input
     position per shard (``position()``); ``resume``: an ``InputPosition`` (or its
-    ``to_dict()``, e.g. read back from JSON) to start from, which implies ``positions``."""
+    ``to_dict()``, e.g. read back from JSON) to start from, which implies ``positions``.
+    ``confirm_saves``: the loop calls ``saved(position)`` after each checkpoint it writes, and
+    a producer that finished stays until a saved position holds its whole shard (else it
+    leaves once its ``end`` is delivered); implies ``positions``."""
 
     def __init__(
         self,
@@ -76,14 +79,15 @@ class ServedFeed(Feed):
         end_grace_s: float = END_GRACE_S,
         positions: bool = False,
         resume: InputPosition | Mapping[str, Any] | None = None,
+        confirm_saves: bool = False,
     ) -> None:
         self.ledger = Ledger() if ledger is None else ledger
-        if resume is not None or positions:
+        if resume is not None or positions or confirm_saves:
             if self.ledger.shards is not None:
                 raise ConfigError("resume/positions: the ledger given books positions already")
             if resume is not None and not isinstance(resume, InputPosition):
                 resume = InputPosition.from_dict(resume, "ServedFeed(resume=...)")
-            self.ledger.shards = ShardBooks(resume)
+            self.ledger.shards = ShardBooks(resume, confirms=confirm_saves)
             if resume is not None:
                 log.info("the feed resumes from: %s", _describe(resume))
         super().__init__(
@@ -129,6 +133,14 @@ class ServedFeed(Feed):
                 "positions=True), or resume=POSITION"
             )
         return books.position()
+
+    def saved(self, position: InputPosition) -> None:
+        """A checkpoint holding ``position`` (a ``position()`` read after its model) is
+        written for good: the producers whose whole shard it holds may leave."""
+        books = self.ledger.shards
+        if books is None:
+            raise ConfigError("this feed books no input position: nothing can be saved")
+        books.saved(position)
 
     def producer_name(self, peer: int) -> str:
         """The name the books give connection ``peer`` (a ``TrainedStep``'s ``peers``)."""
