@@ -62,7 +62,9 @@ From the trainer:
 - ``dropped`` ``{"seq": int, "reason": str, "detail": str}``: a batch was refused, and why.
 - ``release`` ``{"pool": str, "slot": int, "gen": int}``: TensorFlow is done with that slot
   generation of the producer's pool; it may be written again.
-- ``bye``     ``{}``: the trainer is closing.
+- ``bye``     ``{}``: the trainer is closing. ``finished`` (true; only to a connection welcomed
+  with ``confirm``): its run is finished (its final checkpoint says so), so no trainer will
+  resume it: a producer waiting for ``saved`` has nothing to wait for.
 
 Decoding is zero-copy (``np.frombuffer`` over the received frame) and strict: every field is
 type-checked, dtypes come from an allow-list, shape x itemsize must equal the frame size, and
@@ -136,6 +138,7 @@ _OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
                 {"start": (int,), "skip": (list,)},
                 {"pass": (int,), "pass_start": (int,), "pass_count": (int,)},
                 {"confirm": (bool,)}),
+    "bye": ({"finished": (bool,)},),
 }
 SESSION = re.compile(r"[0-9a-f]{32}")
 _INT_RANGE = {

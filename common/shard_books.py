@@ -53,6 +53,7 @@ class ShardBooks:
         self._position = resumed or InputPosition(0)
         self.confirms = confirms
         self.saves = 0  # ``saved`` calls so far: the intake looks again when it changes
+        self.finished = False  # a final checkpoint said the run is done: nothing resumes it
         self._saved_ends: dict[int, int] = {}
         if resumed is not None:
             self.saved(resumed)
@@ -129,8 +130,9 @@ class ShardBooks:
                     out[shard] = start
             return out
 
-    def saved(self, position: InputPosition) -> None:
-        """A checkpoint holding ``position`` is complete (its state file is written)."""
+    def saved(self, position: InputPosition, finished: bool = False) -> None:
+        """A checkpoint holding ``position`` is complete (its state file is written);
+        ``finished``: it is the final one of a run that is done."""
         ends = {
             shard: stream.end
             for shard, stream in position.streams.items()
@@ -138,6 +140,7 @@ class ShardBooks:
         }
         with self._lock:
             self._saved_ends.update(ends)
+            self.finished = self.finished or finished
             self.saves += 1
 
     def saved_end(self, shard: int) -> int | None:

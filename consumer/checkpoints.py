@@ -25,8 +25,9 @@ worker of a cluster saves its model to a temporary directory that is removed at 
 writes no state; but it reads ``position()`` too, right after its save, because a cluster's
 position is gathered from every worker (``consumer.cluster.positions``: a collective).
 
-``on_saved(position)`` is told each position once a checkpoint holding it is complete (the
-trainer's ``ShardBooks.saved``: producers whose whole shard it holds may leave). The chief
+``on_saved(position, finished)`` is told each position once a checkpoint holding it is
+complete (the trainer's ``ShardBooks.saved``: producers whose whole shard it holds may leave;
+``finished``: the final checkpoint of a run that is done, which nothing resumes). The chief
 tells it after its state file; another worker tells it one checkpoint later, when the next
 gather shows that the chief got past its write (the chief writes before it trains on), or
 after the cluster's barrier at the end (``confirm_written``).
@@ -119,8 +120,9 @@ class Checkpoints:
                 raise ValueError("this model format cannot restore a checkpoint")
             model.restore(self.resumed.model_path)
         self.written: list[str] = []  # state files written, oldest first
-        self.on_saved: Callable[[InputPosition], None] | None = None
-        self._unconfirmed: InputPosition | None = None  # a worker's: the chief writes it
+        self.on_saved: Callable[[InputPosition, bool], None] | None = None
+        # A worker's last position read and whether it was a finished final: the chief writes it.
+        self._unconfirmed: tuple[InputPosition, bool] | None = None
 
     def after_step(self, step: int) -> str | None:
         """A checkpoint if ``step`` is a multiple of ``checkpoint_every``; its state file."""
@@ -153,7 +155,7 @@ class Checkpoints:
             if self.position is not None:  # every worker: a cluster's position is gathered
                 position = self.position()  # (collective): the chief's previous write is done
                 self.confirm_written()
-                self._unconfirmed = position
+                self._unconfirmed = (position, bool(finished))
             return None
         os.makedirs(folder, exist_ok=True)
         files = self.model.save(os.path.join(folder, name))
@@ -167,7 +169,7 @@ class Checkpoints:
         _write_atomically(path, self._state(step, files, name, finished, position))
         self.written.append(path)
         if self.on_saved is not None and position is not None:
-            self.on_saved(position)
+            self.on_saved(position, bool(finished))
         return path
 
     def confirm_written(self) -> None:
@@ -175,7 +177,7 @@ class Checkpoints:
         this worker read last: tell ``on_saved``. Call once the cluster is past the chief's
         write (a later collective)."""
         if self._unconfirmed is not None and self.on_saved is not None:
-            self.on_saved(self._unconfirmed)
+            self.on_saved(*self._unconfirmed)
         self._unconfirmed = None
 
     def _state(

@@ -198,6 +198,10 @@ class Session:
                 self.leaving_due = True  # the trainer may be closing: it waits for this
         elif kind == "bye":
             self.credit = 0
+            if header.get("finished") is True and self.welcome is not None and self.welcome.confirm:
+                log.info("trainer at %s finished its run: no trainer will resume it, so "
+                         "nothing is waited for", self.endpoint)  # fmt: skip
+                self._post(Saved(None))
             if not self._bye:
                 self._bye = True
                 log.info("trainer at %s is closing; waiting for it to come back", self.endpoint)

@@ -121,15 +121,17 @@ def test_a_position_is_told_saved_only_once_its_state_file_is_written(tmp_path):
         read, told = iter(positions), []
         checkpoints = Checkpoints(options(tmp_path / str(chief)), FileModel().format(),
                                   chief=chief, position=lambda read=read: next(read))  # fmt: skip
-        checkpoints.on_saved = lambda position, told=told: told.append(position.of(0).next)
+        checkpoints.on_saved = lambda position, finished, told=told: told.append(
+            position.of(0).next if not finished else -position.of(0).next
+        )
         checkpoints.after_step(2)
         assert told == ([2] if chief else [])
         checkpoints.after_step(4)
         assert told == ([2, 4] if chief else [2])
-        checkpoints.final(5)
-        assert told == ([2, 4, 5] if chief else [2, 4])
+        checkpoints.final(5, "every producer's data ended")  # a finished run: negated here
+        assert told == ([2, 4, -5] if chief else [2, 4])
         checkpoints.confirm_written()  # the cluster's barrier after the final checkpoint
-        assert told == [2, 4, 5]
+        assert told == [2, 4, -5]
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,26 @@ def test_producers_that_finished_stay_until_their_shard_is_saved_and_feed_a_rest
     _check_every_row_trained_exactly_epochs_times(save)
 
 
+def test_producers_waiting_for_a_run_that_finished_by_its_steps_leave_with_it(spawn, tmp_path):
+    """No rate limit, and each checkpoint pauses 1 s between its model and its state file:
+    both producers deliver their 24 batches early and wait for ``saved``, which never comes
+    (the 20 steps leave 28 batches untrained); the finished run's ``bye`` lets them go."""
+    save, port = tmp_path / "save", free_tcp_port()
+    model = [*MODEL, "--steps", "20"]  # the later flag wins
+    producers = spawn(["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2",
+                       "--schema", "tests.resume_models:SCHEMA", "--source",
+                       "tests.resume_models:rows"], "producers")  # fmt: skip
+    trainer = _spawn_env(spawn, ["train", "--bind", f"tcp://127.0.0.1:{port}", *model, "--save",
+                                 str(save)], "trainer", cli_env(STAGEFEED_TEST_STATE_DELAY_S="1"))
+    _finished(trainer)
+    assert producers.wait(TIMEOUT_S) == 0, log_text(producers)[-3000:]
+    text = log_text(producers)
+    assert text.count("waiting until a checkpoint of the trainer holds all 24 batches") == 2
+    assert text.count("finished its run: no trainer will resume it") == 2, text[-3000:]
+    with open(save / "state.json") as f:
+        assert json.load(f)["finished"] == "20 steps done"
+
+
 @pytest.mark.parametrize("transport", ["zmq"])
 def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one_in_use(
     spawn, tmp_path, transport

@@ -162,3 +162,17 @@ def test_a_closing_intake_waits_for_leaving_from_a_producer_told_saved(peers):
     finally:
         closing.join(30)
     assert not closing.is_alive()
+
+
+def test_the_bye_of_a_finished_run_lets_a_waiting_producer_go(peers):
+    intake = _intake(confirms=True)
+    waiting, plain = peers(intake), peers(intake)
+    _hello(waiting, 1)
+    waiting.send(protocol.encode_control("end", seq=3))  # batches 1 and 2 never came: not whole
+    _hello(plain, 0, confirm=False)
+    _wait(lambda: intake.books.position().of(1).end == 3, "the end booked")
+    intake.books.saved(intake.books.position(), finished=True)  # e.g. its --steps were done
+    assert not _got(waiting, "saved", 0.5)
+    intake.close()  # nobody was told saved: no wait
+    assert _next(waiting, "bye") == {"v": 2, "t": "bye", "finished": True}
+    assert _next(plain, "bye") == {"v": 2, "t": "bye"}

@@ -272,6 +272,12 @@ class Dispatch:
                 self.reply(router, routing_id, "saved", seq=end)
                 self._told_saved.add(routing_id)
 
+    def bye_fields(self, conn: Connection) -> dict[str, Any]:
+        """The ``bye`` to ``conn``: it says ``finished`` to a producer that may be waiting for
+        ``saved`` when the run is done (no trainer will resume it)."""
+        books = self._ledger.shards
+        return {"finished": True} if conn.confirm and books is not None and books.finished else {}
+
     def awaiting_leaving(self) -> bool:
         """A live connection was told ``saved`` and has not said ``leaving`` yet: a trainer
         closing waits a moment, or the message could be lost with the connection."""

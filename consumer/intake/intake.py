@@ -227,7 +227,7 @@ class Intake:
                 if router.poll(POLL_MS):
                     self._receive_one(router)
             for conn in conns.live():
-                dispatch.reply(router, conn.routing_id, "bye")
+                dispatch.reply(router, conn.routing_id, "bye", **dispatch.bye_fields(conn))
             router.close(linger=BYE_LINGER_MS)
         finally:
             router.close(linger=0)

@@ -134,13 +134,14 @@ class ServedFeed(Feed):
             )
         return books.position()
 
-    def saved(self, position: InputPosition) -> None:
+    def saved(self, position: InputPosition, finished: bool = False) -> None:
         """A checkpoint holding ``position`` (a ``position()`` read after its model) is
-        written for good: the producers whose whole shard it holds may leave."""
+        written for good: the producers whose whole shard it holds may leave. ``finished``:
+        the loop's last, of a run it will not resume: at ``close`` every producer may leave."""
         books = self.ledger.shards
         if books is None:
             raise ConfigError("this feed books no input position: nothing can be saved")
-        books.saved(position)
+        books.saved(position, finished)
 
     def producer_name(self, peer: int) -> str:
         """The name the books give connection ``peer`` (a ``TrainedStep``'s ``peers``)."""
