@@ -323,7 +323,7 @@ class TrainerChannel:
         as a later welcome moved this shard (``repositioned``) or stopped confirming."""
         while self.confirms and self.saved != end and self.repositioned is None:
             self._wait(stop)
-        return self.confirms and self.saved == end
+        return self.saved == end
 
     def begin_finish(self, count: int, deadline: float, reason: str, detail: str) -> None:
         """``finish`` without waiting: ``drained`` is set once it is done."""
@@ -429,8 +429,10 @@ class TrainerChannel:
             self.trainer_pass = max(self.trainer_pass, event.pass_)
         elif isinstance(event, Repositioned):
             self.repositioned = event.resume
+        elif isinstance(event, Saved) and event.seq is None:
+            self.confirms = False  # a finished run's bye, or a trainer that will not confirm
         elif isinstance(event, Saved):
-            self.saved, self.confirms = event.seq, event.seq is not None
+            self.saved, self.confirms = event.seq, True
         elif isinstance(event, Drained):
             self.drained = event
         elif isinstance(event, Failed):

@@ -202,6 +202,7 @@ class Session:
                 log.info("trainer at %s finished its run: no trainer will resume it, so "
                          "nothing is waited for", self.endpoint)  # fmt: skip
                 self._post(Saved(None))
+                self.leaving_due = True
             if not self._bye:
                 self._bye = True
                 log.info("trainer at %s is closing; waiting for it to come back", self.endpoint)

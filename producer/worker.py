@@ -303,9 +303,10 @@ def _finish(
 
 
 def _wait_saved(channel: TrainerChannel, name: str, end: int, stop: Any) -> bool:
-    """Stay until the trainer's checkpoint holds the whole stream (``end`` batches): True; or
-    until a later welcome moves the shard (the caller rewinds), or a stop (logged: run it again
-    if that trainer restarts)."""
+    """Stay until the trainer lets this producer go: its checkpoint holds the whole stream
+    (``end`` batches), or its run is finished (its ``bye`` says so); True then, and
+    ``leaving`` is on its way. False after a stop (logged: run it again if that trainer
+    restarts) or when a later welcome moved the shard (the caller rewinds)."""
     if not channel.confirms:
         return False
     log.info("producer %s: waiting until a checkpoint of the trainer holds all %d batches (a "
@@ -318,7 +319,7 @@ def _wait_saved(channel: TrainerChannel, name: str, end: int, stop: Any) -> bool
         return False
     if saved:
         log.info("producer %s: the trainer saved all %d batches", name, end)
-    return saved
+    return channel.repositioned is None  # let go (``saved``, or a finished run): ``leaving``
 
 
 def _seq_range(count: int, end: int | None = None) -> str:

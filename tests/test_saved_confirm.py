@@ -148,19 +148,23 @@ def test_no_confirm_unless_both_sides_say_so(peers):
 def test_a_closing_intake_waits_for_leaving_from_a_producer_told_saved(peers):
     intake = _intake(confirms=True)
     sock = peers(intake)
+    disconnects = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     _hello(sock, 0)
     sock.send(protocol.encode_control("end", seq=3))
     _next(sock, "saved")
     closing = threading.Thread(target=intake.close, name="test-intake-close")
     closing.start()
     try:
-        # Told saved, no leaving yet: the intake waits (bounded) before its bye, so that the
-        # saved message is not lost with the connection.
-        assert not _got(sock, "bye", 0.5)
-        sock.send(protocol.encode_control("leaving"))
         assert _next(sock, "bye") == {"v": 2, "t": "bye"}
+        # Told saved, no leaving yet: the intake keeps the connection (2 s at most), so that
+        # the saved message is not lost with it.
+        assert not _holds_within(lambda: disconnects.poll(0), 0.5)
+        sock.send(protocol.encode_control("leaving"))
+        assert disconnects.poll(10_000), "the intake kept the connection after leaving"
     finally:
         closing.join(30)
+        sock.disable_monitor()
+        disconnects.close(linger=0)
     assert not closing.is_alive()
 
 
@@ -173,6 +177,12 @@ def test_the_bye_of_a_finished_run_lets_a_waiting_producer_go(peers):
     _wait(lambda: intake.books.position().of(1).end == 3, "the end booked")
     intake.books.saved(intake.books.position(), finished=True)  # e.g. its --steps were done
     assert not _got(waiting, "saved", 0.5)
-    intake.close()  # nobody was told saved: no wait
-    assert _next(waiting, "bye") == {"v": 2, "t": "bye", "finished": True}
-    assert _next(plain, "bye") == {"v": 2, "t": "bye"}
+    closing = threading.Thread(target=intake.close, name="test-intake-close")
+    closing.start()
+    try:
+        assert _next(waiting, "bye") == {"v": 2, "t": "bye", "finished": True}
+        assert _next(plain, "bye") == {"v": 2, "t": "bye"}
+        waiting.send(protocol.encode_control("leaving"))
+    finally:
+        closing.join(30)
+    assert not closing.is_alive()

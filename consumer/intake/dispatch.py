@@ -272,15 +272,20 @@ class Dispatch:
                 self.reply(router, routing_id, "saved", seq=end)
                 self._told_saved.add(routing_id)
 
-    def bye_fields(self, conn: Connection) -> dict[str, Any]:
-        """The ``bye`` to ``conn``: it says ``finished`` to a producer that may be waiting for
-        ``saved`` when the run is done (no trainer will resume it)."""
+    def send_bye(self, router: zmq.Socket, conn: Connection) -> None:
+        """``bye`` (the intake is closing); with ``finished`` to a producer that may be waiting
+        for ``saved`` when the run is done: no trainer will resume it, so it may leave."""
         books = self._ledger.shards
-        return {"finished": True} if conn.confirm and books is not None and books.finished else {}
+        if conn.confirm and books is not None and books.finished:
+            self.reply(router, conn.routing_id, "bye", finished=True)
+            self._told_saved.add(conn.routing_id)
+        else:
+            self.reply(router, conn.routing_id, "bye")
 
     def awaiting_leaving(self) -> bool:
-        """A live connection was told ``saved`` and has not said ``leaving`` yet: a trainer
-        closing waits a moment, or the message could be lost with the connection."""
+        """A live connection was let go (``saved``, or a finished run's ``bye``) and has not
+        said ``leaving`` yet: a trainer closing waits a moment, or the message could be lost
+        with the connection."""
         self._told_saved = {rid for rid in self._told_saved if self.conns.get(rid) is not None}
         return bool(self._told_saved)
 

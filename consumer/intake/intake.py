@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 POLL_MS = 100
 JOIN_TIMEOUT_S = 3.0
 # How long the last messages (``saved``, ``bye``) may take to reach live producers at close,
-# and how long a closing intake waits for the ``leaving`` of producers told ``saved``.
+# and how long a closing intake waits for the ``leaving`` of producers it let go (``saved``, or
+# the ``bye`` of a finished run).
 BYE_LINGER_MS = 500
 LEAVING_WAIT_S = 2.0
 EXPIRE_EVERY_S = 1.0
@@ -222,12 +223,12 @@ class Intake:
                 dispatch.send_saved(router)
                 dispatch.update_data_ended()
             dispatch.send_saved(router)  # the final checkpoint's, written just before
+            for conn in conns.live():
+                dispatch.send_bye(router, conn)
             leaving_by = time.monotonic() + LEAVING_WAIT_S
             while dispatch.awaiting_leaving() and time.monotonic() < leaving_by:
                 if router.poll(POLL_MS):
                     self._receive_one(router)
-            for conn in conns.live():
-                dispatch.reply(router, conn.routing_id, "bye", **dispatch.bye_fields(conn))
             router.close(linger=BYE_LINGER_MS)
         finally:
             router.close(linger=0)
