@@ -124,8 +124,8 @@ class Repositioned:
 @dataclasses.dataclass(frozen=True)
 class Saved:
     """The trainer's ``saved {seq}``: a complete checkpoint holds this shard's whole stream,
-    which ends at ``seq``. None: a later welcome did not say ``confirm`` (the trainer there
-    will not say it), so a finished producer has nothing to wait for."""
+    which ends at ``seq``. None: nothing to wait for any more (the trainer's run finished, or
+    a later welcome did not say ``confirm``: the trainer there will not say it)."""
 
     seq: int | None
 

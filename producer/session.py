@@ -122,7 +122,8 @@ class Session:
         self._hello_at: float | None = None
         self._bye = False
         self._said_no_welcome = False
-        self.leaving_due = False  # ``leaving`` to send: this connection's trainer said ``saved``
+        # ``leaving`` to send: this connection's trainer let us go (``saved``, a finished run)
+        self.leaving_due = False
 
     # -- connection events ---------------------------------------------------------------------
 
@@ -193,12 +194,12 @@ class Session:
                 self.credit = 0
             self._pass_is(header["pass"])
         elif kind == "saved":
-            if self.welcome is not None and self.welcome.confirm:
+            if self._confirming:
                 self._post(Saved(header["seq"]))
                 self.leaving_due = True  # the trainer may be closing: it waits for this
         elif kind == "bye":
             self.credit = 0
-            if header.get("finished") is True and self.welcome is not None and self.welcome.confirm:
+            if header.get("finished") is True and self._confirming:
                 log.info("trainer at %s finished its run: no trainer will resume it, so "
                          "nothing is waited for", self.endpoint)  # fmt: skip
                 self._post(Saved(None))
@@ -207,6 +208,11 @@ class Session:
                 self._bye = True
                 log.info("trainer at %s is closing; waiting for it to come back", self.endpoint)
         return None
+
+    @property
+    def _confirming(self) -> bool:
+        """The first welcome said ``confirm``: ``saved`` and a finished ``bye`` mean something."""
+        return self.welcome is not None and self.welcome.confirm
 
     def _on_welcome(self, header: dict[str, Any]) -> Welcome | None:
         if self._hello_at is None or self.welcomed:
