@@ -122,7 +122,7 @@ class Checkpoints:
         self.written: list[str] = []  # state files written, oldest first
         self.on_saved: Callable[[InputPosition, bool], None] | None = None
         # A worker's last position read and whether it was a finished final: the chief writes it.
-        self._unconfirmed: tuple[InputPosition, bool] | None = None
+        self._read_not_yet_written: tuple[InputPosition, bool] | None = None
 
     def after_step(self, step: int) -> str | None:
         """A checkpoint if ``step`` is a multiple of ``checkpoint_every``; its state file."""
@@ -155,7 +155,7 @@ class Checkpoints:
             if self.position is not None:  # every worker: a cluster's position is gathered
                 position = self.position()  # (collective): the chief's previous write is done
                 self.confirm_written()
-                self._unconfirmed = (position, bool(finished))
+                self._read_not_yet_written = (position, bool(finished))
             return None
         os.makedirs(folder, exist_ok=True)
         files = self.model.save(os.path.join(folder, name))
@@ -176,9 +176,9 @@ class Checkpoints:
         """(a worker other than the chief) The chief has written the checkpoint whose position
         this worker read last: tell ``on_saved``. Call once the cluster is past the chief's
         write (a later collective)."""
-        if self._unconfirmed is not None and self.on_saved is not None:
-            self.on_saved(*self._unconfirmed)
-        self._unconfirmed = None
+        if self._read_not_yet_written is not None and self.on_saved is not None:
+            self.on_saved(*self._read_not_yet_written)
+        self._read_not_yet_written = None
 
     def _state(
         self,

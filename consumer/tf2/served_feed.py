@@ -126,22 +126,23 @@ class ServedFeed(Feed):
         """What the booked steps trained, per shard (a copy): read it after saving the model,
         and pass it back as ``ServedFeed(options, resume=...)``. ``ConfigError`` if this feed
         books no positions (made without ``positions=True`` or ``resume``)."""
+        return self._shard_books().position()
+
+    def saved(self, position: InputPosition, finished: bool = False) -> None:
+        """A checkpoint holding ``position`` (a ``position()`` read after its model) is
+        written for good: the producers whose whole shard it holds may leave. ``finished``:
+        the loop's last, of a run it will not resume: at ``close`` every producer may leave.
+        ``ConfigError`` if this feed books no positions."""
+        self._shard_books().saved(position, finished)
+
+    def _shard_books(self) -> ShardBooks:
         books = self.ledger.shards
         if books is None:
             raise ConfigError(
                 "this feed books no input position: make it with ServedFeed(options, "
                 "positions=True), or resume=POSITION"
             )
-        return books.position()
-
-    def saved(self, position: InputPosition, finished: bool = False) -> None:
-        """A checkpoint holding ``position`` (a ``position()`` read after its model) is
-        written for good: the producers whose whole shard it holds may leave. ``finished``:
-        the loop's last, of a run it will not resume: at ``close`` every producer may leave."""
-        books = self.ledger.shards
-        if books is None:
-            raise ConfigError("this feed books no input position: nothing can be saved")
-        books.saved(position, finished)
+        return books
 
     def producer_name(self, peer: int) -> str:
         """The name the books give connection ``peer`` (a ``TrainedStep``'s ``peers``)."""
