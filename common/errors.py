@@ -92,6 +92,8 @@ class DropReason(enum.StrEnum):
     SHM_TOKEN = "shm_token"  # pool offered without the token of a live connection's welcome
     ALREADY_TRAINED = "already_trained"  # a shard's batch the resumed model has trained
     SHARD = "shard"  # a hello's shard does not fit the run's shards (resume)
+    SHARD_TAKEN = "shard_taken"  # a hello names a shard another live connection carries
+    SHARD_END = "shard_end"  # an end or end_pass of a shard its connection does not own or reach
 
 
 class ProtocolError(StagefeedError):

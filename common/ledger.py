@@ -257,6 +257,17 @@ class Ledger:
             run = [s.received for s in self._entries.values() if s.session == stats.session]
             return stats.received > 0 or (stats.session is not None and any(run))
 
+    def reached(self, index: int) -> int:
+        """One past the highest ``seq`` booked on entry ``index`` or an earlier connection of
+        its producer run (the same session token); 0 if none: where its stream has reached."""
+        with self._lock:
+            stats = self._entries.get(index)
+            if stats is None:
+                return 0
+            run = [s for s in self._entries.values()
+                   if s is stats or (stats.session is not None and s.session == stats.session)]
+            return max(s.sequence.highest for s in run) + 1
+
     def _gaps(self) -> dict[int, int]:
         """Sequence numbers lost between two connections of one producer run (a cut
         connection it carried on after): the hole before each later entry of the same session

@@ -14,7 +14,12 @@ the position holds exactly the batches whose effect is in that model.
   re-send (a producer that rewinds, a second connection of the same shard).
 - ``welcome(shard)``: where a shard's producer starts: the first batch neither trained nor in
   flight, and the ranges above it to skip.
-- ``ended(shard, n)`` books where a shard's stream ends; ``complete()`` says whether every
+- the shard count is settled by the checkpoint resumed, else by the first batch admitted
+  (``settle``), never by a hello (``join`` only checks a hello against it): a peer that says
+  hello and leaves fixes nothing;
+- ``ended(shard, shards, n)`` books where a shard's stream ends, only at its reach (one past
+  its last batch trained or in flight): a peer cannot end a stream it did not carry (its
+  owner is checked by the intake, ``consumer.intake.claims``); ``complete()`` says whether every
   shard's stream is known to end and all of it is trained or in flight. The intake's end of
   data waits for it: a producer that ended with the batches a killed trainer lost still
   missing is moved back by its next welcome (it rewinds), and a shard whose producer is gone
@@ -68,19 +73,25 @@ class ShardBooks:
         """The shard count every hello must name (0: none seen yet, and not resumed)."""
         return self._position.shards
 
-    def join(self, shard: int, shards: int, seekable: bool) -> str | None:
-        """A hello naming ``shard`` of ``shards``: None if it may join, else why not."""
+    def join(self, shard: int, shards: int) -> str | None:
+        """A hello naming ``shard`` of ``shards``: None if it may join, else why not. A hello
+        settles nothing: the count is settled by the first batch (``settle``)."""
         with self._lock:
             if not 0 < shards <= MAX_SHARDS or not 0 <= shard < shards:
                 return f"shard {shard} of {shards} is not a shard"
+            return self._other_count(shard, shards)
+
+    def settle(self, shard: int, shards: int, seekable: bool) -> str | None:
+        """A batch of ``shard`` of ``shards`` is about to be admitted: the first one settles the
+        shard count (unless a resumed checkpoint did); None, else why the batch is refused."""
+        with self._lock:
             if self._position.shards == 0:
                 self._position.shards = shards
-            if shards != self._position.shards:
-                where = "the checkpoint resumed" if self.resumed else "the first producer"
-                return (
-                    f"this producer is shard {shard} of {shards}; {where} has "
-                    f"{self._position.shards} shards: the position cannot be mapped"
-                )
+                log.info("the run has %d shards (settled by its first batch, of shard %d)",
+                         shards, shard)  # fmt: skip
+            why = self._other_count(shard, shards)
+            if why is not None:
+                return why
             if not seekable and shard not in self._position.approximate:
                 self._position.approximate.add(shard)
                 log.warning(
@@ -89,6 +100,16 @@ class ShardBooks:
                 )  # fmt: skip
             self.joined.add(shard)
             return None
+
+    def _other_count(self, shard: int, shards: int) -> str | None:
+        """Why ``shards`` is not the run's settled count (lock held)."""
+        if self._position.shards in (0, shards):
+            return None
+        where = "the checkpoint resumed" if self.resumed else "the batches trained so far"
+        return (
+            f"this producer is shard {shard} of {shards}; {where} has "
+            f"{self._position.shards} shards: the position cannot be mapped"
+        )
 
     def admit(self, shard: int, seq: int) -> DropReason | None:
         """Book batch ``seq`` of ``shard`` as in flight; the reason to drop it instead."""
@@ -106,12 +127,34 @@ class ShardBooks:
             self._in_flight.get(shard, set()).discard(seq)
             self._position.of(shard).add(seq)
 
-    def ended(self, shard: int, end: int) -> None:
-        """Shard ``shard``'s producer said its stream ends at ``end`` (``end {seq}``)."""
+    def ended(self, shard: int, shards: int, end: int) -> str | None:
+        """Shard ``shard`` of ``shards`` ends at ``end`` (its owner's ``end {seq}``): None if
+        booked, else why not. Only the stream's reach can be its end: every batch below it
+        trained or in flight, none past it, the shard count settled and the same."""
         with self._lock:
-            self._position.of(shard).end = end
+            why = self._beyond_reach(shard, shards, end, "its stream ends")
+            if why is None:
+                self._position.of(shard).end = end
+            return why
 
-    def pass_ended(self, shard: int, ends: list[int]) -> None:
+    def pass_ended(self, shard: int, shards: int, seq: int) -> str | None:
+        """Whether a pass of ``shard`` may end at ``seq`` (as ``ended``): None, else why not."""
+        with self._lock:
+            return self._beyond_reach(shard, shards, seq, "a pass ends")
+
+    def _beyond_reach(self, shard: int, shards: int, seq: int, what: str) -> str | None:
+        """Lock held: why ``seq`` is not ``shard``'s reach (one past its last batch trained or
+        in flight, or its start), or ``shards`` not the settled count; None if it is."""
+        if self._position.shards != shards:
+            settled = self._position.shards or "not settled (no batch yet)"
+            return f"{what} at {seq}, but the run's shard count is {settled}, not {shards}"
+        accepted = self._accepted(shard)
+        reach = max(accepted.above, default=accepted.next - 1) + 1
+        if seq != reach:
+            return f"{what} at {seq}, but shard {shard}'s batches reach {reach}"
+        return None
+
+    def pass_ends(self, shard: int, ends: list[int]) -> None:
         """Where each ended pass of ``shard`` ended (``consumer.intake.passes``), for the
         position."""
         with self._lock:

@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 UNREACHABLE_LOG_S = 2.0
 NO_WELCOME_LOG_S = 10.0
 HELLO_RETRY_S = 5.0  # after a refused hello the trainer may accept later (peer_limit)
+# After ``shard_taken``: another live connection carries our shard. It may be our own run's
+# before a kill -9 whose connection the trainer has not yet seen close: hello again soon.
+SHARD_RETRY_S = 1.0
 MAX_CREDIT = 2**20
 _REASONS = frozenset(r.value for r in DropReason)
 
@@ -281,6 +284,11 @@ class Session:
             self.notice(reason, f"trainer at {self.endpoint} is full ({detail}); retrying")
             self._reset(connected=self.connected)
             self.hello_not_before = now + HELLO_RETRY_S
+        elif reason == DropReason.SHARD_TAKEN:
+            self.notice(reason, f"trainer at {self.endpoint} refused our shard ({detail}); "
+                                f"saying hello again every {SHARD_RETRY_S:.0f} s")  # fmt: skip
+            self._reset(connected=self.connected)
+            self.hello_not_before = now + SHARD_RETRY_S
         elif reason == DropReason.SPEC_MISMATCH:
             raise SchemaMismatch(f"trainer at {self.endpoint}: {detail}")
         else:

@@ -11,8 +11,10 @@ from stagefeed.consumer.intake.passes import PassBooks, epoch_of
 
 def test_an_epoch_completes_only_when_every_shard_ended_its_pass():
     books = PassBooks(pass_count=2)
-    assert books.join(0, 2) is None and books.join(1, 2) is None
+    assert books.join(0, 3) is None and books.shards == 0  # a hello settles no count
+    assert books.join(0, 2) is None and books.settle(0, 2) is None  # a batch does
     assert "2 shards" in (books.join(0, 3) or "")  # another shard count: refused
+    assert "2 shards" in (books.settle(1, 3) or "")
     assert books.ended(1, 0, 30) is None
     assert not books.complete() and books.missing() == [0]
     assert books.ended(0, 1, 60) is not None  # ahead of the epoch: ignored, said why

@@ -52,7 +52,7 @@ def test_a_malformed_position_is_a_config_error_naming_where(bad):
 
 def test_the_ledger_books_trained_batches_and_refuses_them_again():
     ledger = Ledger(shards=ShardBooks(InputPosition(2, {0: StreamPosition(3)})))
-    assert ledger.shards.join(0, 2, True) is None
+    assert ledger.shards.join(0, 2) is None
     first = ledger.open("p", shard=0)
     assert ledger.accept(first, 2, 10) is DropReason.ALREADY_TRAINED  # in the checkpoint
     assert ledger.accept(first, 3, 10) is None and ledger.accept(first, 4, 10) is None
@@ -69,8 +69,10 @@ def test_the_ledger_books_trained_batches_and_refuses_them_again():
 def test_the_data_ends_only_once_every_shards_stream_is_all_trained_or_in_flight():
     books = ShardBooks(InputPosition(2, {0: StreamPosition(4, end=4)}))
     assert books.missing() == {1: 0}  # shard 1 never said where its stream ends
-    books.ended(1, 3)
     assert books.admit(1, 0) is None and books.admit(1, 2) is None
+    assert "reach 3" in books.ended(1, 2, 2**62)  # only its reach can be its end
+    assert "count is 2, not 3" in books.ended(1, 3, 3)
+    assert books.ended(1, 2, 3) is None
     assert books.missing() == {1: 1}  # batch 1 was lost with a killed trainer: not here yet
     assert books.admit(1, 1) is None
     assert books.missing() == {}
@@ -82,21 +84,26 @@ def test_a_cluster_worker_waits_only_for_the_shards_that_joined_it():
     union = InputPosition(2, {0: StreamPosition(2), 1: StreamPosition(2)})
     books = ShardBooks(union, joined_only=True)
     assert books.missing() == {}  # no shard of its own yet: the intake's rule waits anyway
-    assert books.join(1, 2, True) is None and books.joined == {1}
+    assert books.join(1, 2) is None and books.joined == set()  # a hello books nothing
+    assert books.settle(1, 2, True) is None and books.joined == {1}  # its first batch does
     assert books.missing() == {1: 2}
-    books.ended(1, 3)
-    assert books.admit(1, 2) is None
+    assert books.admit(1, 2) is None and books.ended(1, 2, 3) is None
     assert books.missing() == {}
     assert ShardBooks(union).missing() == {0: 2, 1: 2}  # one trainer waits for every shard
 
 
 def test_a_hello_with_another_shard_count_is_refused_naming_both():
     books = ShardBooks(InputPosition(2))
-    assert "shard 0 of 3; the checkpoint resumed has 2 shards" in books.join(0, 3, True)
+    assert "shard 0 of 3; the checkpoint resumed has 2 shards" in books.join(0, 3)
     fresh = ShardBooks()
-    assert fresh.join(1, 4, False) is None and fresh.shards == 4
+    # A hello settles nothing (a peer that says hello and leaves fixes no count): the first
+    # batch does, and its source's seeking with it.
+    assert fresh.join(0, 4096) is None and fresh.join(1, 4) is None and fresh.shards == 0
+    assert fresh.position().approximate == set()
+    assert fresh.settle(1, 4, False) is None and fresh.shards == 4
     assert fresh.position().approximate == {1}  # its source cannot seek: announced
-    assert "the first producer has 4 shards" in fresh.join(0, 2, True)
+    assert "the batches trained so far has 4 shards" in fresh.join(0, 2)
+    assert "has 4 shards" in fresh.settle(0, 2, True)
 
 
 def test_the_welcome_carries_the_position_and_a_bad_one_is_refused():

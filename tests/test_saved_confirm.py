@@ -95,7 +95,8 @@ def test_the_books_say_a_shard_is_saved_whole_only_once_a_saved_position_holds_a
     books = ShardBooks(InputPosition.from_dict(RESUMED, "test"), confirms=True)
     assert books.saved_end(0) == 3  # the checkpoint resumed from counts as saved
     assert books.saved_end(1) is None  # not ended
-    books.ended(1, 3)
+    assert books.admit(1, 1) is None and books.admit(1, 2) is None
+    assert books.ended(1, 2, 3) is None
     books.trained(1, 2)  # batch 1 still missing: not whole
     books.saved(books.position())
     assert books.saved_end(1) is None
@@ -172,7 +173,9 @@ def test_the_bye_of_a_finished_run_lets_a_waiting_producer_go(peers):
     intake = _intake(confirms=True)
     waiting, plain = peers(intake), peers(intake)
     _hello(waiting, 1)
-    waiting.send(protocol.encode_control("end", seq=3))  # batches 1 and 2 never came: not whole
+    for seq in (1, 2):  # received, never trained: the shard is not whole
+        waiting.send_multipart(protocol.encode_batch(seq, GOOD))
+    waiting.send(protocol.encode_control("end", seq=3))
     _hello(plain, 0, confirm=False)
     _wait(lambda: intake.books.position().of(1).end == 3, "the end booked")
     intake.books.saved(intake.books.position(), finished=True)  # e.g. its --steps were done

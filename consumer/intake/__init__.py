@@ -1,3 +1,4 @@
 """One ROUTER socket: hello and schema checks, credit, the frame reader, the hand-off to the
-enqueue threads, socket events, and the shared-memory gate.
+enqueue threads, socket events, the shared-memory gate, what each message does (``dispatch``),
+the pass books (``passes``) and the shard rules (``claims``).
 """

@@ -37,6 +37,10 @@ class Connection:
     ended: bool = False
     paused: bool = False  # ended a pass, waits for the next (consumer/intake/passes.py)
     shard: int | None = None  # the shard of a passing producer
+    # (shard, shards, seekable) its hello named, admitted: it owns that shard while it lives
+    # (consumer/intake/claims.py); None: it names no shard, or none is booked
+    claim: tuple[int, int, bool] | None = None
+    session: str | None = None  # its producer run's secret token (common/ledger.py)
     confirm: bool = False  # welcomed with ``confirm``: told ``saved`` once its shard is saved
 
 

@@ -6,6 +6,8 @@ threads and hands it each received message); nothing here blocks. It admits hell
 gives each a verdict, books ``end`` with its reason, grants credit, routes slot releases back,
 forgets silent connections, and keeps the end-of-data rule (``data_ended``) and the end of a
 pass (``send_passes``: producers whose sources make passes, ``consumer.intake.passes``).
+What a shard's producer may say (who carries a shard, what settles the shard count, whose
+ends count) is ``consumer.intake.claims``.
 A producer welcomed with ``confirm`` that said ``end`` is told ``saved`` once a complete
 checkpoint holds its whole shard (``send_saved``, ``ShardBooks.saved_end``).
 
@@ -30,7 +32,9 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import Schema, schema_difference
 from stagefeed.common.throttle import LogThrottle
+from stagefeed.consumer.intake.claims import Shards
 from stagefeed.consumer.intake.connections import Connection, Connections
+from stagefeed.consumer.intake.frames import reply
 from stagefeed.consumer.intake.passes import PassBooks
 from stagefeed.consumer.intake.shm_gate import ShmGate
 
@@ -71,13 +75,14 @@ class Dispatch:
         self._data_ended = threading.Event()
         # A cluster worker sees only its own shards, and a pass ends when every shard ended it.
         config = tf_config.from_environ()
-        self._no_passes = (
+        no_passes = (
             f"a source with passes feeds one trainer; this one is a worker of a cluster of "
             f"{config.num_workers} (TF_CONFIG): give the source no passes (docs/resume.md)"
             if config is not None and config.num_workers > 1 else ""
         )  # fmt: skip
         resumed = ledger.shards.resumed if ledger.shards is not None else None
         self.passes = PassBooks(options.epochs, resumed)
+        self.shards = Shards(ledger, self.passes, self.conns, no_passes, self._forget)
         self._enqueued = enqueued  # batches enqueued so far (``Availability.enqueued``)
         # Ended connections welcomed with ``confirm``, not yet told ``saved``: (shard, end).
         self._unconfirmed: dict[bytes, tuple[int, int]] = {}
@@ -115,12 +120,9 @@ class Dispatch:
             self._on_batch(router, conn, header, lambda: self._shm_batch(conn, header))
         elif kind == "end":  # the producer's bye, and why (protocol.end_reason)
             self._ledger.ended(conn.index, header["seq"], *protocol.end_reason(header))
-            shard = self._ledger.shard_of(conn.index)
-            if shard is not None and self._ledger.shards is not None:
-                self._ledger.shards.ended(shard, header["seq"])
-                if conn.confirm:
-                    self._unconfirmed[conn.routing_id] = (shard, header["seq"])
-                    self._saves_seen = -1  # look now: the checkpoint may hold it already
+            if self.shards.end(conn, header["seq"]) and conn.confirm:
+                self._unconfirmed[conn.routing_id] = (conn.claim[0], header["seq"])
+                self._saves_seen = -1  # look now: the checkpoint may hold it already
             self.conns.end(conn)
             if self.shm is not None:
                 self.shm.ended(conn.routing_id)
@@ -129,7 +131,7 @@ class Dispatch:
             if self._ledger.delivered(conn.index):
                 self._delivered_and_ended = True
         elif kind == "end_pass":
-            self._on_end_pass(conn, header)
+            self.shards.end_pass(conn, header)
         elif kind == "leaving":
             self._told_saved.discard(routing_id)
 
@@ -146,12 +148,12 @@ class Dispatch:
                 router, routing_id, "refused", reason=DropReason.SPEC_MISMATCH.value, detail=detail
             )
             return
-        shard = self._shard(router, routing_id, name, header)
-        passing = shard is not False and self._passing(router, routing_id, name, header)
-        if shard is False or passing is False:
-            return
-        position: dict[str, Any] = {}
         conn = self.conns.get(routing_id)
+        admitted = self.shards.hello(router, routing_id, name, session, header, conn)
+        if admitted is None:
+            return
+        shard, passing = admitted
+        position: dict[str, Any] = {}
         if conn is None:
             index = None if self.conns.full() else self._ledger.open(
                 name if user_id is None else f"{name} {key_fingerprint(user_id)}", session,
@@ -166,6 +168,8 @@ class Dispatch:
                 return
             conn = self.conns.add(routing_id, index, name)
         self.conns.seen(conn)
+        if shard is not None or passing is not None:
+            self.shards.bind(conn, header, session)
         if isinstance(passing, int):
             conn.shard = passing
             epoch = self.passes.epoch
@@ -190,54 +194,6 @@ class Dispatch:
         )  # fmt: skip
         for rid, n in grants.items():
             self.reply(router, rid, "credit", n=n)
-
-    def _shard(self, router: zmq.Socket, routing_id: bytes, name: str, header: dict) -> Any:
-        """The shard a hello names, admitted (None: it names none, or this trainer books no
-        positions); False if it was refused (the refusal is sent and booked)."""
-        named, books = protocol.shard_of_hello(header), self._ledger.shards
-        if books is None:
-            return None
-        if named is None:
-            if self._internal_log.due("no-shard"):
-                log.warning("producer %s names no shard: its batches are in no input position "
-                            "(a resumed run may train them again)", name)  # fmt: skip
-            return None
-        shard, shards, seek = named
-        why = books.join(shard, shards, seek)
-        if why is None:
-            return shard
-        self._ledger.refused(name, DropReason.SHARD.value, why)
-        self.reply(router, routing_id, "refused", reason=DropReason.SHARD.value, detail=why)
-        return False
-
-    def _passing(self, router: zmq.Socket, routing_id: bytes, name: str, header: dict) -> Any:
-        """The shard of a hello that said ``passes`` (None: it did not); False if refused."""
-        if header.get("passes") is not True:
-            return None
-        named = protocol.shard_of_hello(header)
-        why = "a producer with passes must name its shard" if named is None else None
-        why = why or self._no_passes or self.passes.join(named[0], named[1])
-        if why is None:
-            return named[0]
-        self._ledger.refused(name, DropReason.SHARD.value, why)
-        self.reply(router, routing_id, "refused", reason=DropReason.SHARD.value, detail=why)
-        return False
-
-    def _on_end_pass(self, conn: Connection, header: dict) -> None:
-        """Book where the producer's pass ended; its credit returns until the next pass."""
-        if conn.shard is None:
-            raise ProtocolError(DropReason.HEADER_FIELDS, "end_pass from a hello without passes")
-        why = self.passes.ended(conn.shard, header["pass"], header["seq"])
-        if why is not None and self._internal_log.due("end-pass"):
-            log.warning("producer %s: %s (ignored)", conn.name, why)
-        self.conns.pause(conn)
-        books = self._ledger.shards
-        if books is not None:
-            books.pass_ended(conn.shard, self.passes.ends.get(conn.shard, []))
-        missing = self.passes.missing()
-        log.info("producer %s (shard %d) ended pass %d at batch %d%s", conn.name, conn.shard,
-                 header["pass"], header["seq"],
-                 f"; waiting for shards {missing}" if missing else "")  # fmt: skip
 
     def send_passes(self, router: zmq.Socket) -> None:
         """Once every shard ended the pass and all of it left the intake: the next pass, and
@@ -310,6 +266,14 @@ class Dispatch:
             self.conns.finished(conn.routing_id)
             self._refuse_batch(router, conn, seq, DropReason.INTERNAL, "unexpected error")
             return
+        why = self.shards.settle(conn)
+        if why is not None:  # its hello's shard count is not the run's, settled since
+            self.conns.finished(conn.routing_id)
+            self._refuse_batch(router, conn, seq, DropReason.SHARD, why)
+            self.reply(router, conn.routing_id, "refused", reason=DropReason.SHARD.value,
+                       detail=why)  # fmt: skip
+            self._forget(conn)
+            return
         reason = self._ledger.accept(conn.index, seq, batch.nbytes)
         if reason is not None:
             self.conns.finished(conn.routing_id)
@@ -374,13 +338,20 @@ class Dispatch:
                         detail="credit unused while others waited: say hello again")  # fmt: skip
             self._ledger.forget_if_idle(conn.index)
         for conn in self.conns.expire():
-            if self.shm is not None:
-                self.shm.forget(conn.routing_id)
-            if self._ledger.forget_if_idle(conn.index):
+            if self._forget(conn, removed=True):
                 log.debug("connection %s went away without delivering", conn.name)
             elif not conn.ended:
                 log.info("producer %s silent for %.0f s: forgotten", conn.name,
                          self.conns.timeout_s)  # fmt: skip
+
+    def _forget(self, conn: Connection, removed: bool = False) -> bool:
+        """Forget a connection gone (its credit returns); True if its books went too (it
+        delivered nothing)."""
+        if not removed:
+            self.conns.remove(conn)
+        if self.shm is not None:
+            self.shm.forget(conn.routing_id)
+        return self._ledger.forget_if_idle(conn.index)
 
     def stop_granting(self) -> None:
         """Grant no more credit (before the queue closes): at most the credit pool is then
@@ -394,11 +365,4 @@ class Dispatch:
         for conn, n in self.conns.grants():
             self.reply(router, conn.routing_id, "credit", n=n)
 
-    @staticmethod
-    def reply(router: zmq.Socket, routing_id: bytes, kind: str, **fields: Any) -> None:
-        # ROUTER drops a message to a peer that is gone or full: a reply can never block.
-        try:
-            router.send_multipart([routing_id, protocol.encode_control(kind, **fields)],
-                                  flags=zmq.NOBLOCK)  # fmt: skip
-        except zmq.Again:
-            pass
+    reply = staticmethod(reply)

@@ -1,4 +1,5 @@
-"""One message off the trainer's ROUTER, frame by frame, keeping only what the limits allow.
+"""One message off the trainer's ROUTER, frame by frame, keeping only what the limits allow;
+and one control message back (``reply``).
 
 libzmq's ``maxmsgsize`` bounds a single frame, not a message, so the intake reads with
 ``RCVMORE`` and keeps at most ``max_frames`` frames and ``max_bytes`` bytes: the rest is
@@ -9,8 +10,10 @@ Memory held per message is therefore bounded whatever a peer sends.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import zmq
+from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason, ProtocolError
 
 
@@ -46,3 +49,13 @@ def receive_message(router: zmq.Socket, max_frames: int, max_bytes: int) -> Rece
         if count <= max_frames and total <= max_bytes:
             frames.append(frame)
     return Received(first.bytes, frames, count, total)
+
+
+def reply(router: zmq.Socket, routing_id: bytes, kind: str, **fields: Any) -> None:
+    """Send one control message to ``routing_id``. ROUTER drops a message to a peer that is
+    gone or full: a reply can never block."""
+    try:
+        router.send_multipart([routing_id, protocol.encode_control(kind, **fields)],
+                              flags=zmq.NOBLOCK)  # fmt: skip
+    except zmq.Again:
+        pass

@@ -6,7 +6,8 @@ of each pass and makes no batch of the next pass before the trainer's ``next_pas
 batch of pass ``k + 1`` exists before every shard ended pass ``k``, and the trainer's epoch
 ``k`` is exactly every shard's pass ``k``:
 
-- ``complete()``: every shard (``shards`` of the first passing hello) ended the current pass;
+- ``complete()``: every shard (``shards`` of the first passing batch, or of the position
+  resumed: never of a hello alone) ended the current pass;
   once every batch received has also left the intake (so all of the pass is in the queue),
   the intake calls ``advance(enqueued)``: the next pass starts, ``next_pass`` goes to every
   passing connection, and a later hello is welcomed into it;
@@ -65,20 +66,30 @@ class PassBooks:
 
     @property
     def active(self) -> bool:
-        """A passing producer has said hello (or the resumed position has pass ends)."""
+        """A passing producer has sent a batch (or the resumed position has pass ends)."""
         return self.shards > 0
 
     def join(self, shard: int, shards: int) -> str | None:
-        """A passing hello naming ``shard`` of ``shards``: None if it may join, else why not."""
+        """A passing hello naming ``shard`` of ``shards``: None if it may join, else why not.
+        A hello settles nothing: the first batch of a passing producer does (``settle``)."""
         with self._lock:
             if not 0 < shards <= MAX_SHARDS or not 0 <= shard < shards:
                 return f"shard {shard} of {shards} is not a shard"
+            return self._other_count(shard, shards)
+
+    def settle(self, shard: int, shards: int) -> str | None:
+        """A batch of a passing producer of ``shard`` of ``shards``: the first one settles the
+        count (unless the resumed position did); None, else why the batch is refused."""
+        with self._lock:
             if self.shards == 0:
                 self.shards = shards
-            if shards != self.shards:
-                return (f"this producer is shard {shard} of {shards}; the passing producers "
-                        f"before it have {self.shards} shards: an epoch could not end")  # fmt: skip
+            return self._other_count(shard, shards)
+
+    def _other_count(self, shard: int, shards: int) -> str | None:
+        if self.shards in (0, shards):
             return None
+        return (f"this producer is shard {shard} of {shards}; the passing producers "
+                f"before it have {self.shards} shards: an epoch could not end")  # fmt: skip
 
     def ended(self, shard: int, pass_: int, seq: int) -> str | None:
         """Shard ``shard`` ended pass ``pass_`` at ``seq``; why it is ignored, or None."""
