@@ -21,6 +21,9 @@ neither is refused, naming the marks that settle it. Then what it returns is che
 Any failure (cannot import, not callable, cannot be called as its kind, the model refuses the
 schema, an exception while building, a result of the wrong kind, a Keras model that does not
 fit the schema) is a ``ConfigError`` naming the model, raised before any producer is started.
+A train step that fails later (TensorFlow's error in ``fit`` or ``session.run``) is a
+``BrokenError`` naming the model and the first line of what TensorFlow said
+(``step_failed``): the run ends as every failure does, the summary, then that line, exit 3.
 ``trainer()`` makes the trainer of either kind; only the Keras kind imports Keras.
 """
 
@@ -30,7 +33,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from stagefeed.common.errors import ConfigError
+from stagefeed.common.errors import BrokenError, ConfigError, StagefeedError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.refs import import_ref
 
@@ -153,6 +156,30 @@ def building(ref: str, build: Callable[..., Any], *args: Any) -> Any:
         raise ConfigError(
             f"--model {ref!r} failed to build: {type(exc).__name__}: {excerpt(str(exc), 200)}"
         ) from None
+
+
+# The lines of a TensorFlow error around what it says: its heading, where the node was defined.
+_TF_CONTEXT = ("Graph execution error:", "Detected at node", "File ", "Node:", "[[")
+
+
+def said(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` in one line: its type and the first line of its message that says something,
+    at most ``limit`` characters of it (a TensorFlow error leads with a heading and the
+    stack where its node was defined, and runs on with node names and tensor values)."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(_TF_CONTEXT)] or [""]
+    first = lines[0]
+    if len(first) > limit:
+        first = first[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def step_failed(ref: str, exc: BaseException) -> StagefeedError:
+    """The failure that ends a run whose train step raised ``exc`` (``--model ref``): a
+    ``BrokenError`` naming the model; stagefeed's own error (from a callback) as it is."""
+    if isinstance(exc, StagefeedError):
+        return exc
+    return BrokenError(f"--model {ref!r}: a train step failed: {said(exc)}")
 
 
 def trainer(

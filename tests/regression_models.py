@@ -98,3 +98,11 @@ def wrong_third(schema, worker) -> Iterator[dict[str, np.ndarray]]:
             yield {name: value[:-1] for name, value in batch.items()}
             return
         yield batch
+
+
+def raises_third(schema, worker) -> Iterator[dict[str, np.ndarray]]:
+    """Two good batches, then the source's own code raises: the producer fails (exit 3)."""
+    for seq, batch in enumerate(_batches(worker, None)):
+        if seq == 2:
+            raise OSError("the data volume went away")
+        yield batch

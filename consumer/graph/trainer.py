@@ -144,7 +144,11 @@ class Trainer(TrainerBase):
             # At the end of data, the staged batches are trained without a put behind them.
             op = feed.step if more else feed.train_only
             fetches = [feed.loss, feed.trained_peer, feed.trained_seq, op]
-            loss, peer, seq, _ = self.session.run(fetches)
+            try:
+                loss, peer, seq, _ = self.session.run(fetches)
+            except tf.errors.OpError as exc:  # the model's step: the run fails, summary first
+                log.debug("the train step raised", exc_info=True)
+                raise model_ref.step_failed(self.options.model, exc) from None
             done = time.monotonic()
             self.consumed += more
             step += 1

@@ -20,6 +20,13 @@ The convention (docs/tf2.md, "The command line with a Keras model"):
 
 A model that breaks any of this is a ``ConfigError`` naming the model and the mismatch, raised
 before the feed binds and before any producer is started.
+
+Then the step itself (``check_step``), still before the feed binds: the compiled loss against
+the targets' declared bounds (a sparse categorical crossentropy whose output has fewer classes
+than the labels' ``[low, high)`` would fail at the first batch on a CPU and train on garbage on
+a GPU), and one training step's forward pass and loss traced, not run, on the schema's batch
+shapes (an output of the wrong shape for its target). A step that fails in ``fit`` all the
+same ends the run like any other failure (``model_ref.step_failed``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.cast import cast_arrays
+from stagefeed.consumer.model_ref import said
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,3 +139,127 @@ def _input_spec(refuse: Callable[[str], ConfigError], tensor: Any, schema: Schem
 
 def _dtype(tensor: Any) -> str:
     return str(getattr(tensor.dtype, "name", tensor.dtype))
+
+
+def check_step(ref: str, model: keras.Model, plan: KerasPlan, strategy: Any = None) -> None:
+    """``ConfigError`` naming the model if its compiled loss cannot take the targets' declared
+    values, or if one training step on the schema's batch shapes cannot be traced (forward
+    pass and loss; nothing runs, no weight or counter moves). Under a ``strategy`` only the
+    first check: the step is the strategy's, traced per replica by the cluster's loop."""
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"--model {ref!r}: {why}")
+
+    schema = plan.schema
+    _check_targets(refuse, model, [schema[t] for t in plan.targets])
+    if strategy is not None:
+        return
+    wire = {
+        spec.name: tf.TensorSpec(schema.batch_shape(spec), spec.dtype, name=spec.name)
+        for spec in schema.arrays
+    }
+    element = plan.mapping()
+
+    def split(batch: dict[str, tf.Tensor]) -> tuple[Any, Any, None]:
+        x, y = element(batch)
+        return x, y, None
+
+    _trace(refuse, model, split, wire, "the schema's batch")
+
+
+def check_fit(model: Any, element_spec: Any, targets: Sequence[ArraySpec] | None = None) -> None:
+    """For ``Feed.check_model``: ``ConfigError`` naming ``model`` if it is not a compiled
+    ``keras.Model``, if its loss cannot take ``targets``' declared values (the arrays of y, one
+    per output; None: not known), or if one training step on elements of ``element_spec``
+    (the dataset's ``(x, y[, sample_weight])``; None: not traced) cannot be traced."""
+    name = getattr(model, "name", type(model).__name__)
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"model {name!r}: {why}")
+
+    if not isinstance(model, keras.Model):
+        raise refuse(f"a {type(model).__name__}, not a keras.Model")
+    if not getattr(model, "compiled", False) or getattr(model, "loss", None) is None:
+        raise refuse("not compiled with a loss: call model.compile(optimizer, loss)")
+    if targets is not None and len(targets) == len(model.outputs):
+        _check_targets(refuse, model, targets)
+    if element_spec is not None:
+        split = keras.utils.unpack_x_y_sample_weight
+        _trace(refuse, model, split, element_spec, "the dataset's elements")
+
+
+def _trace(
+    refuse: Callable[[str], ConfigError], model: keras.Model,
+    split: Callable[[Any], tuple[Any, Any, Any]], specs: Any, what: str,
+) -> None:  # fmt: skip
+    """Trace, not run, the forward pass and loss of one training step on ``specs`` (``what``
+    they are); ``split`` makes an element ``(x, y, sample_weight)``."""
+
+    def step(element: Any) -> Any:
+        x, y, weights = split(element)
+        y_pred = model(x, training=True)
+        return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weights)
+
+    try:
+        with keras.StatelessScope():  # what the step would assign is kept apart, not applied
+            tf.function(step, autograph=False).get_concrete_function(specs)
+    except Exception as exc:  # noqa: BLE001 - the user's model and loss may raise anything
+        raise refuse(f"one training step on {what} fails: {said(exc)}") from None
+
+
+def _check_targets(
+    refuse: Callable[[str], ConfigError], model: keras.Model, targets: Sequence[ArraySpec]
+) -> None:
+    for index, (spec, loss) in enumerate(zip(targets, _losses(model), strict=True)):
+        _check_classes(refuse, model, index, spec, loss)
+
+
+def _losses(model: keras.Model) -> list[Any]:
+    """The compiled loss of each output, in the outputs' order (None: none, or not known)."""
+    loss, names = model.loss, _output_names(model)
+    if isinstance(loss, dict):
+        return [loss.get(name) for name in names]
+    if isinstance(loss, list | tuple):
+        return list(loss) + [None] * (len(names) - len(loss))
+    return [loss] * len(names)
+
+
+def _check_classes(
+    refuse: Callable[[str], ConfigError], model: keras.Model, index: int, spec: ArraySpec,
+    loss: Any,
+) -> None:  # fmt: skip
+    """A sparse categorical crossentropy: the labels' bounds within the output's classes."""
+    if spec.bounds is None or not _is_sparse_crossentropy(loss):
+        return
+    classes = model.outputs[index].shape[-1]
+    if classes is None:
+        return
+    low, high = spec.bounds
+    ignored = getattr(loss, "ignore_class", None)  # a label the loss skips may lie outside
+    if ignored is not None and ignored == low:
+        low += 1
+    if ignored is not None and ignored == high - 1:
+        high -= 1
+    if low < 0 or high > classes:
+        raise refuse(
+            f"output {_output_names(model)[index]!r} has {classes} classes, but the target "
+            f"{spec.name!r} is in [{spec.bounds[0]}, {spec.bounds[1]}) (the schema's bounds): "
+            f"sparse categorical crossentropy needs labels in [0, {classes}); give the output "
+            f"{spec.bounds[1]} units or narrow the bounds"
+        )
+
+
+def _is_sparse_crossentropy(loss: Any) -> bool:
+    if isinstance(loss, str):
+        return loss in ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")
+    function = keras.losses.sparse_categorical_crossentropy
+    return (
+        isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
+        or loss is function
+        or getattr(loss, "fn", None) is function
+    )
+
+
+def _output_names(model: keras.Model) -> list[str]:
+    """The outputs' names as ``compile(loss={...})`` keys them: their layers' names."""
+    return list(getattr(model, "output_names", None) or [t.name for t in model.outputs])

@@ -48,7 +48,7 @@ from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.keras_fit.callback import FeedCallback
-from stagefeed.consumer.keras_fit.model_check import check_model
+from stagefeed.consumer.keras_fit.model_check import check_model, check_step
 from stagefeed.consumer.keras_fit.resume_fit import (
     PASS_EPOCH_STEPS,
     EpochCut,
@@ -130,6 +130,7 @@ class KerasTrainer(TrainerBase):
         if options.save_dir is not None:
             self.checkpoints = Checkpoints(options, self.model_format(model))  # restores
             self.book_positions(self.checkpoints)
+        check_step(ref, model, plan, strategy)  # after the restore: the state fit would build
         self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
@@ -196,6 +197,9 @@ class KerasTrainer(TrainerBase):
                     shuffle=False,  # a stream: producers decide the order
                     verbose=0,
                 )
+        except Exception as exc:  # noqa: BLE001 - TensorFlow's error in the step: the run fails
+            log.debug("fit raised", exc_info=True)
+            self._failure = self._failure or model_ref.step_failed(self.options.model, exc)
         finally:
             watch.close()
         _count_trained_steps_only(self.model, iterations_before + self.steps_done - self.step_base)

@@ -15,7 +15,7 @@ each step (``callback()`` with ``fit``; ``books.step_done()`` in a custom loop) 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import check_stage_depth
-from stagefeed.common.schema import Schema
+from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.keras_fit.callback import FeedCallback, cast_layer
 from stagefeed.consumer.tf2 import pipeline
@@ -69,6 +69,7 @@ class Feed:
         self.stage_depth = stage_depth
         self.books = StepBooks(self.queue, DequeueLog(capacity + LOG_HEADROOM), sink)
         self._dataset: Any = None
+        self._targets: tuple[ArraySpec, ...] | None = None  # y's array, when the mapping names it
 
     def enqueue(self, arrays: Mapping[str, np.ndarray], peer: int, seq: int) -> bool:
         """``EagerQueueFeed.enqueue``: blocks while full, False once closed."""
@@ -102,7 +103,23 @@ class Feed:
             stage_depth=self.stage_depth,
         )
         self.books.batches_per_step = per_step
+        y = mapping[1] if isinstance(mapping, Sequence) and len(mapping) > 1 else None
+        self._targets = (self.schema[y],) if isinstance(y, str) else None  # one named y
         return self._dataset
+
+    def check_model(self, model: keras.Model) -> None:
+        """Before ``fit``, after ``dataset()``: ``ConfigError`` naming ``model`` if it is not
+        compiled with a loss, if its sparse categorical crossentropy has fewer classes than
+        the target array's declared ``bounds`` (a mapping that names y), or if one training
+        step on this dataset's elements cannot be traced (forward pass and loss; nothing runs;
+        not for a dataset distributed by a strategy). What ``fit`` would raise at its first
+        step, or train wrong on a GPU, said at once in one line."""
+        from stagefeed.consumer.keras_fit.model_check import check_fit
+
+        if self._dataset is None:
+            raise ConfigError("check_model(model): call dataset() first, it makes the elements")
+        spec = self._dataset.element_spec if isinstance(self._dataset, tf.data.Dataset) else None
+        check_fit(model, spec, self._targets)
 
     def cast(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         """The schema's cast/scale, for a step to call on its device (``cast="step"``)."""
