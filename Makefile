@@ -24,7 +24,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/matrix
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -36,6 +36,13 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: test-matrix
+# The promise matrix (docs/guarantees.md, "The promise matrix"): every promise on every path,
+# transport and producer speed, with real processes; its own target so that `make test` keeps
+# its budget (.ci/run runs both). Cells are independent: spread over the workers as they come.
+test-matrix: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load tests/matrix
 
 .PHONY: test-compose
 # docker/compose.yaml under a real Docker engine: images built, `up --scale producer=3` over tcp

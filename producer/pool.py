@@ -196,10 +196,12 @@ class Producers:
         self._reports.read()
         return [self._book(index, proc) for index, proc in enumerate(self.processes)]
 
-    def health_check(self, ended: type[Exception] = BrokenError) -> Callable[[], None]:
+    def health_check(
+        self, ended: type[Exception] = BrokenError, ends_grace_s: float = 0.0
+    ) -> Callable[[], None]:
         """A trainer's ``health_check`` (``Trainer.train``, ``Feed``) that raises once no
         worker is alive: see ``pool_check``."""
-        return pool_check(self, ended)
+        return pool_check(self, ended, ends_grace_s)
 
     def _book(self, index: int, proc: multiprocessing.process.BaseProcess) -> WorkerBook:
         code = proc.exitcode
@@ -239,8 +241,12 @@ class _Pool(Protocol):
 
     def wait(self, timeout: float | None = None) -> bool: ...
 
+    def books(self) -> list[WorkerBook]: ...
 
-def pool_check(pool: _Pool, ended: type[Exception] = BrokenError) -> Callable[[], None]:
+
+def pool_check(
+    pool: _Pool, ended: type[Exception] = BrokenError, ends_grace_s: float = 0.0
+) -> Callable[[], None]:
     """A ``health_check`` that raises once no process of ``pool`` is alive.
 
     A producer that failed raises its error (``ConfigError`` / ``BrokenError``) from
@@ -248,11 +254,24 @@ def pool_check(pool: _Pool, ended: type[Exception] = BrokenError) -> Callable[[]
     ``BrokenError`` where producers are meant to run until stopped (the benchmarks), or
     ``ClosedError`` where they may finish first (``stagefeed run --max-batches``: the launcher).
     While any producer is alive the check costs one ``is_alive()`` per process.
+
+    ``ends_grace_s``: when every worker said ``end`` before it exited (its data ended, or its
+    source failed after delivering what it made), the check stays quiet that long, so that
+    the trainer's own rule (``consumer.run_end``) sees the data end and trains the tail
+    first; the caller reports a failed worker after training (docs/guarantees.md, "When the
+    data ends"). A worker that died without its ``end`` is raised at once.
     """
+    all_ended_at: list[float] = []
 
     def check() -> None:
-        if not pool.alive():
-            pool.wait(0)  # raises the failure of any that failed
-            raise ended("all producers ended")
+        if pool.alive():
+            return
+        if ends_grace_s > 0 and all(book.bye is not None for book in pool.books()):
+            if not all_ended_at:
+                all_ended_at.append(time.monotonic())
+            if time.monotonic() - all_ended_at[0] < ends_grace_s:
+                return
+        pool.wait(0)  # raises the failure of any that failed
+        raise ended("all producers ended")
 
     return check

@@ -259,7 +259,10 @@ def run_local(
                 producer_options(args, trainer.endpoint, args.producers), logging.getLogger().level
             ).start()
             log.info("%d producers -> %s", args.producers, trainer.endpoint)
-            failure = _train(trainer, shutdown, health_check=pool.health_check(ClosedError))
+            # Workers that said end (a finished or failed source) leave the end of the data to
+            # the trainer, which trains what they delivered first; a failure is reported after.
+            check = pool.health_check(ClosedError, ends_grace_s=options.producer_timeout_s)
+            failure = _train(trainer, shutdown, health_check=check)
     finally:
         try:
             _close(shutdown, monitor, trainer, pool)
