@@ -88,9 +88,9 @@ def sweep_leftovers(
         pid = int((control or pool)[1]) if control or pool else 0
         if only is not None and pid not in only:
             continue
-        if control and _gone(int(control[1])) and _dead_socket(path, socket.SOCK_STREAM):
+        if control and _gone(pid) and _dead_socket(path, socket.SOCK_STREAM):
             _remove(path, swept, name)
-        elif pool and _gone(int(pool[1])) and _dead_pool_dir(path):
+        elif pool and _gone(pid) and _dead_pool_dir(path):
             inside = os.path.join(path, POOL_SOCKET)
             if os.path.lexists(inside):
                 _remove(inside, swept, None)
