@@ -8,10 +8,13 @@ root's exemptions all show there). A failure is a ``ConfigError`` naming the fla
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 
 from stagefeed.common.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def check_writable_file(flag: str, path: str) -> str:
@@ -40,8 +43,10 @@ def check_writable_file(flag: str, path: str) -> str:
 
 def check_writable_dir(flag: str, path: str) -> str:
     """Return ``path`` once it is a directory (created with its parents if missing) in which a
-    file could be created; the probe file is removed, the directory stays."""
+    file could be created; the probe file is removed, the directory stays. Parents created
+    are said in one log line (a typo in a parent makes a new tree)."""
     _check_named(flag, path, "a directory")
+    created = _first_missing_parent(path)
     try:
         os.makedirs(path, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".stagefeed-write-check-", dir=path)
@@ -50,7 +55,20 @@ def check_writable_dir(flag: str, path: str) -> str:
         raise ConfigError(f"{flag} {path!r} is not a writable directory: {why}") from None
     os.close(fd)
     os.unlink(probe)
+    if created is not None:
+        log.warning("%s %r: %s did not exist: created, with the folders below it (a typo?)",
+                    flag, path, created)  # fmt: skip
     return path
+
+
+def _first_missing_parent(path: str) -> str | None:
+    """The outermost missing folder above ``path`` (None: its parent exists)."""
+    missing = None
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+        missing = parent
+        parent = os.path.dirname(parent)
+    return missing
 
 
 def _check_named(flag: str, path: object, what: str) -> None:

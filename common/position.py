@@ -28,6 +28,10 @@ pass ``k`` is batches ``passes[k-1]..passes[k]-1``.
 ``approximate`` lists the shards whose source could not seek (the producer fast-forwarded
 it): their position is exact only if that source replays the same batches.
 
+Read back from a file (``from_dict``), every number is checked: a count in ``[0, MAX_SEQ]``
+(far inside the wire's ``seq`` below 2**63 and TensorFlow's int64, and exact as a float), a
+shard key the ASCII digits of a shard in range; anything else is a ``ConfigError`` naming it.
+
 Merging (several trainer workers of one cluster, each booking the batches it trained):
 ``InputPosition.merge`` is the union of the trained sets, shard by shard. No TensorFlow here.
 """
@@ -43,6 +47,8 @@ from stagefeed.common.errors import ConfigError
 VERSION = 1
 MAX_SHARDS = 4096
 MAX_RANGES = 256  # ranges a welcome's ``skip`` carries at most (the rest is deduplicated)
+MAX_SEQ = 2**53  # the largest seq, end or pass boundary a position read from a file may hold
+COUNTS = "[0, 2**53]"  # the counts up to MAX_SEQ, as a refusal says them
 
 
 @dataclasses.dataclass
@@ -97,16 +103,19 @@ class StreamPosition:
             raise ConfigError(f"{where}: expected {{next, above, end}}, got {str(data)[:80]}")
         nxt, above, end = data["next"], data["above"], data["end"]
         passes = data.get("passes", [])
-        if not isinstance(passes, list) or not all(_count(s) for s in passes) or any(
+        if not isinstance(passes, list) or not all(is_count(s) for s in passes) or any(
             a > b for a, b in zip(passes, passes[1:], strict=False)
         ):
-            raise ConfigError(f"{where}: passes must be ascending counts, got {str(passes)[:80]}")
-        if not _count(nxt) or not isinstance(above, list) or not all(_count(s) for s in above):
-            raise ConfigError(f"{where}: next and above must be counts, got {str(data)[:80]}")
+            raise ConfigError(f"{where}: passes must be ascending counts in {COUNTS}, "
+                              f"got {str(passes)[:80]}")  # fmt: skip
+        if not is_count(nxt) or not isinstance(above, list) or not all(is_count(s) for s in above):
+            raise ConfigError(f"{where}: next and above must be counts in {COUNTS}, got "
+                              f"{str(data)[:80]}")  # fmt: skip
         if any(s <= nxt for s in above):
             raise ConfigError(f"{where}: every 'above' must be past next={nxt}")
-        if end is not None and not _count(end):
-            raise ConfigError(f"{where}: end must be a count or null, got {end!r}")
+        if end is not None and not is_count(end):
+            raise ConfigError(f"{where}: end must be a count in {COUNTS} or null, got "
+                              f"{str(end)[:80]}")  # fmt: skip
         return cls(nxt, set(above), end, passes)
 
 
@@ -150,18 +159,34 @@ class InputPosition:
         if not isinstance(data, Mapping) or data.get("version") != VERSION:
             raise ConfigError(f"{where}: not an input position of version {VERSION}")
         shards = data.get("shards")
-        if not _count(shards) or not 0 < shards <= MAX_SHARDS:
-            raise ConfigError(f"{where}: shards must be in [1, {MAX_SHARDS}], got {shards!r}")
+        if not is_count(shards) or not 0 < shards <= MAX_SHARDS:
+            raise ConfigError(f"{where}: shards must be in [1, {MAX_SHARDS}], got "
+                              f"{str(shards)[:80]}")  # fmt: skip
         streams, approximate = data.get("streams"), data.get("approximate")
         if not isinstance(streams, Mapping) or not isinstance(approximate, list):
             raise ConfigError(f"{where}: streams must be a map and approximate a list")
-        out = cls(shards, approximate={a for a in approximate if _count(a)})
+        wrong = [a for a in approximate if not (is_count(a) and a < shards)]
+        if wrong:
+            raise ConfigError(f"{where}: approximate shard {str(wrong[0])[:80]} is not in "
+                              f"[0, {shards})")  # fmt: skip
+        out = cls(shards, approximate=set(approximate))
         for key, value in streams.items():
-            if not (isinstance(key, str) and key.isdigit() and int(key) < shards):
-                raise ConfigError(f"{where}: shard {key!r} is not in [0, {shards})")
-            out.streams[int(key)] = StreamPosition.from_dict(value, f"{where} shard {key}")
+            shard = _shard_key(key)
+            if shard is None or shard >= shards:
+                raise ConfigError(f"{where}: shard {str(key)[:80]!r} is not in [0, {shards})")
+            out.streams[shard] = StreamPosition.from_dict(value, f"{where} shard {key}")
         return out
 
 
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def is_count(value: Any) -> bool:
+    """A JSON count: an int (not a bool) in ``[0, MAX_SEQ]``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEQ
+
+
+def _shard_key(key: Any) -> int | None:
+    """A streams key as its shard: ASCII digits of a number below ``MAX_SHARDS`` (not "²",
+    not thousands of digits), else None."""
+    digits = isinstance(key, str) and key.isascii() and key.isdigit()
+    if digits and len(key) <= len(str(MAX_SHARDS)):
+        return int(key)
+    return None

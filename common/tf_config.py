@@ -101,8 +101,10 @@ def parse(text: str | None) -> TfConfig | None:
         return None
     try:
         config = json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{ENV} is nested too deeply to be a cluster: {_short(text)}") from None
     except ValueError as exc:
-        raise ConfigError(f"{ENV} is not JSON: {exc} in {_short(text)}") from None
+        raise ConfigError(f"{ENV} is not JSON: {_short(str(exc))} in {_short(text)}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{ENV} must be a JSON object, got {_short(text)}")
     cluster_value, task_value = config.get("cluster"), config.get("task")
@@ -250,14 +252,22 @@ def _split(address: Any, field: str = "address") -> tuple[str, int]:
     why = host_problem(host, wildcard_ok=False)
     if why:
         raise ConfigError(f"{field} {address!r}: {why}")
-    if not (port_text.isascii() and port_text.isdigit() and 1 <= int(port_text) <= MAX_PORT):
-        raise ConfigError(f"{field} {address!r}: port {port_text!r} is not in 1..{MAX_PORT}")
+    if not in_range(port_text, 1, MAX_PORT):
+        raise ConfigError(f"{field} {_short(address)}: port {_short(port_text)} is not in "
+                          f"1..{MAX_PORT}")  # fmt: skip
     return host, int(port_text)
 
 
+def in_range(text: str, low: int, high: int) -> bool:
+    """Whether ``text`` is the ASCII digits of an integer in ``low..high`` (no sign, not "²",
+    not more digits than ``high`` has: ``int()`` refuses thousands of them)."""
+    digits = text.isascii() and text.isdigit() and len(text) <= len(str(high))
+    return digits and low <= int(text) <= high
+
+
 def _number(name: str, text: str, low: int, high: int) -> int:
-    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= high:
-        raise ConfigError(f"{name}={text!r} must be an integer in {low}..{high}")
+    if not in_range(text, low, high):
+        raise ConfigError(f"{name}={_short(text)} must be an integer in {low}..{high}")
     return int(text)
 
 

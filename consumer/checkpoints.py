@@ -116,6 +116,9 @@ class Checkpoints:
         elif self.chief:
             self.resumed = check_save_dir(options)
         if self.resumed is not None:
+            passed_over = self.resumed.passed_over_line()
+            if passed_over is not None:
+                log.warning("%s", passed_over)
             if model.restore is None:
                 raise ValueError("this model format cannot restore a checkpoint")
             model.restore(self.resumed.model_path)

@@ -2,8 +2,10 @@
 
 A run whose ``DIR`` holds a checkpoint resumes from the newest complete one: the state file
 with the highest step (``DIR/state.json`` wins a tie: it was written last) whose model files
-all exist. The state file is written last and atomically (``consumer.checkpoints``), so a
-checkpoint whose writer was killed has no state file and is never chosen.
+are whole (``consumer.checkpoint_files``: all there, none cut short). The state file is
+written last and atomically (``consumer.checkpoints``), so a checkpoint whose writer was
+killed has no state file and is never chosen. Newer checkpoints whose model is not whole
+(deleted, cut short) are passed over, said in one line.
 
 Refused at start (``ConfigError``, one line, exit 2), never resumed silently:
 
@@ -12,7 +14,9 @@ Refused at start (``ConfigError``, one line, exit 2), never resumed silently:
 - the checkpoint is of another ``--model`` or another schema;
 - the run it holds finished (its data ended, or its planned steps are done);
 - a state file without an input position (``"input": null``: one written before positions
-  were booked): resuming it could not be exact.
+  were booked): resuming it could not be exact;
+- a state file that is not a regular file, not a JSON object, or holds a number out of
+  bounds (a step, epoch, seq or shard: ``common.position.MAX_SEQ``).
 
 ``--fresh`` starts over: the previous run's files move to ``DIR/previous-<time>/`` (nothing is
 deleted). The number of shards is checked when producers say hello (``common.shard_books``),
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import logging
 import os
 import re
@@ -33,8 +36,9 @@ from typing import Any
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
-from stagefeed.common.position import InputPosition
+from stagefeed.common.position import COUNTS, InputPosition, is_count
 from stagefeed.common.schema import Schema
+from stagefeed.consumer.checkpoint_files import problem, read_state
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ CHECKPOINTS = "checkpoints"
 STATE = "state.json"
 # What marks a directory as holding a run (besides state files).
 RUN_FILES = (STATE, CHECKPOINTS, "model.keras", "model.ckpt.index", "checkpoint")
-_STATE_NAME = re.compile(r"state-(\d{6,})\.json")
+_STATE_NAME = re.compile(r"state-([0-9]{6,16})\.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,15 @@ class Resume:
     epoch: int | None
     model_path: str  # what the trainer's format restores (a file, or a Saver's prefix)
     position: InputPosition
+    passed_over: tuple[str, ...] = ()  # newer checkpoints not whole: "PATH (why)", newest first
+
+    def passed_over_line(self) -> str | None:
+        """The one line that says which newer checkpoints were passed over, or None."""
+        if not self.passed_over:
+            return None
+        more = f" and {len(self.passed_over) - 1} newer" if len(self.passed_over) > 1 else ""
+        return (f"checkpoint {self.passed_over[0]}{more} cannot be resumed: resuming from the "
+                f"newest complete one before it, {self.path} (step {self.step})")  # fmt: skip
 
     def describe(self) -> str:
         streams = ", ".join(
@@ -72,8 +85,8 @@ def states(save_dir: str) -> list[tuple[int, int, str]]:
         if match:
             found.append((int(match.group(1)), 0, path))
     final = os.path.join(save_dir, STATE)
-    if os.path.isfile(final):
-        found.append((_read(final).get("step", -1), 1, final))
+    if os.path.lexists(final):  # whatever it is: read_state refuses a FIFO without waiting
+        found.append((_step(read_state(final), final), 1, final))
     return sorted(found)
 
 
@@ -88,20 +101,21 @@ def newest(save_dir: str, options: TrainerOptions) -> Resume | None:
     held = holds_a_run(save_dir)
     if held is None:
         return None
-    found = states(save_dir)
-    for step, _, path in reversed(found):
-        state = _read(path)
-        model_path = os.path.join(os.path.dirname(path), str(state.get("model_path", "")))
-        missing = [f for f in state.get("model_files", [])
-                   if not os.path.exists(os.path.join(os.path.dirname(path), f))]  # fmt: skip
-        if "model_path" not in state or missing:
-            log.warning("checkpoint %s is incomplete (%s): skipped", path,
-                        f"{missing[0]} missing" if missing else "no model_path")  # fmt: skip
+    skipped: list[str] = []  # newest first: "PATH (what is wrong)"
+    for step, _, path in reversed(states(save_dir)):
+        state = read_state(path)
+        why = problem(os.path.dirname(path), state)
+        if why is not None:
+            skipped.append(f"{path} ({why})")
             continue
-        return _checked(path, state, step, model_path, options)
+        model_path = os.path.join(os.path.dirname(path), state["model_path"])
+        found = _checked(path, state, step, model_path, options)
+        return dataclasses.replace(found, passed_over=tuple(skipped))
+    newest_one = f"; the newest, {skipped[0]}" if skipped else ""
     raise ConfigError(
         f"--save {save_dir!r} already holds a run's {held} but no complete checkpoint to "
         "resume from; pass --fresh to start over (its files move to previous-<time>/)"
+        + newest_one
     )
 
 
@@ -127,8 +141,12 @@ def _checked(
                           "positions were booked): resuming it would train "
                           f"batches twice or never; {again}")  # fmt: skip
     position = InputPosition.from_dict(state["input"], f"checkpoint {path}")
+    _step(state, path)
     epoch = state.get("epoch")
-    return Resume(path, step, epoch if isinstance(epoch, int) else None, model_path, position)
+    if epoch is not None and not is_count(epoch):
+        raise ConfigError(f"checkpoint {path}: epoch must be a count in {COUNTS} or "
+                          f"null, got {str(epoch)[:80]}")  # fmt: skip
+    return Resume(path, step, epoch, model_path, position)
 
 
 def start_over(save_dir: str) -> str | None:
@@ -145,12 +163,10 @@ def start_over(save_dir: str) -> str | None:
     return folder
 
 
-def _read(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            state = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read checkpoint state {path}: {exc}") from None
-    if not isinstance(state, dict):
-        raise ConfigError(f"checkpoint state {path} is not a JSON object")
-    return state
+def _step(state: dict[str, Any], path: str) -> int:
+    """The state's ``step``: a count, else ``ConfigError`` naming the file and the value."""
+    step = state.get("step")
+    if not is_count(step):
+        raise ConfigError(f"checkpoint {path}: step must be a count in {COUNTS}, got "
+                          f"{str(step)[:80]!r}")  # fmt: skip
+    return step

@@ -48,10 +48,11 @@ def add(
         try:
             value = type(raw)
         except (TypeError, ValueError) as exc:
-            _defer(parser, f"{name}={raw!r} is not a valid {flag}: {exc}")
+            _defer(parser, f"{name}={_shown(raw)} is not a valid {flag}: {str(exc)[:200]}")
         else:
             if choices is not None and value not in choices:
-                _defer(parser, f"{name}={raw!r} must be one of {', '.join(map(str, choices))}")
+                listed = ", ".join(map(str, choices))
+                _defer(parser, f"{name}={_shown(raw)} must be one of {listed}")
             else:
                 default = value
     parser.add_argument(
@@ -69,7 +70,7 @@ def add_switch(parser: argparse.ArgumentParser | Any, flag: str, help: str = "")
     name = env_name(flag)
     raw = os.environ.get(name, "").strip().lower()
     if raw not in ("", "0", "1", "true", "false", "yes", "no"):
-        _defer(parser, f"{name}={raw!r} must be 1/0, true/false or yes/no")
+        _defer(parser, f"{name}={_shown(raw)} must be 1/0, true/false or yes/no")
     parser.add_argument(
         flag, action="store_true", default=raw in ("1", "true", "yes"), help=f"{help} [env {name}]"
     )
@@ -87,3 +88,10 @@ def _defer(parser: argparse.ArgumentParser | Any, error: str) -> None:
     reaches the namespace only when that subcommand is the one parsed."""
     if parser.get_default(_ENV_ERROR) is None:
         parser.set_defaults(**{_ENV_ERROR: error})
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """``repr(text)``, cut to about ``limit`` characters (a value may be thousands long)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"

@@ -30,6 +30,7 @@ from stagefeed.common.errors import (
     NonFiniteLoss,
     StagefeedError,
 )
+from stagefeed.common.ipc_file import sweep_leftovers
 from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
 from stagefeed.common.options import ObserveOptions, ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
@@ -240,6 +241,7 @@ def run_local(
     private_ipc = loopback.ipc_path()  # run's own socket file: removed whatever happens
     # Validate the producers' options before anything starts (endpoint filled in below).
     _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
+    sweep_leftovers()  # what killed runs left in the temp directory under run's own names
     if loop.asked == "auto":  # after every check: a refused start says one line only
         log.info("--transport auto: %s (%s)", loop.chosen, loop.reason)
     from stagefeed.consumer.quiet_tf import import_tensorflow

@@ -117,8 +117,9 @@ def _split(field: str, values: list[str]) -> tuple[str, ...]:
 
 
 def _from_tf_config(field: str, port: str, environ: Mapping[str, str]) -> tuple[str, ...]:
-    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= MAX_PORT):
-        raise ConfigError(f"{field} {port!r}: expected the feed's port, a number in 1..{MAX_PORT}")
+    if not tf_config.in_range(port, 1, MAX_PORT):
+        shown = port if len(port) <= 20 else f"{port[:17]}... ({len(port)} characters)"
+        raise ConfigError(f"{field} {shown!r}: expected the feed's port, a number in 1..{MAX_PORT}")
     config = tf_config.from_environ(environ)
     if config is None:
         raise ConfigError(f"{field} {port}: {tf_config.ENV} is not set (or names no cluster)")

@@ -33,6 +33,11 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def tmp_dir_of(env: dict[str, str] | None) -> str | None:
+    """The temp directory a CLI process with ``env`` uses (None: this process's)."""
+    return (env or {}).get("TMPDIR") or None
+
+
 def cli(*args: str) -> list[str]:
     """Command line running the stagefeed CLI with this interpreter."""
     return [sys.executable, "-m", "stagefeed.cli", *args]
@@ -63,6 +68,7 @@ class Started:
     """A CLI process started in its own process group, so the test can signal all of it."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, log_path=None):
+        self.env = env
         self.log_path = log_path
         self._log = open(log_path, "w+") if log_path else subprocess.PIPE  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -90,11 +96,16 @@ class Started:
         return out
 
     def kill_group(self) -> None:
+        """SIGKILL the group, then remove what a killed ``run`` leaves in the temp directory
+        (its socket files: ``common.ipc_file.sweep_leftovers``), as its next run would."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        from stagefeed.common.ipc_file import sweep_leftovers
+
+        sweep_leftovers(tmp_dir_of(self.env), only={self.proc.pid})
 
 
 @pytest.fixture

@@ -45,12 +45,30 @@ def saver_format(session: v1.Session, save_dir: str) -> ModelFormat:
             with session.graph.as_default():
                 saver.restore(session, prefix)
         except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as exc:
-            first = str(exc).strip().splitlines()[0][:200]
+            first = _reason(exc)
             raise ConfigError(
                 f"cannot restore {prefix} into this --model (another model's checkpoint?): "
                 f"{first}; pass --fresh to start over"
+            ) from None
+        except (tf.errors.OpError, ValueError) as exc:  # a file damaged inside (DataLossError)
+            first = _reason(exc)
+            raise ConfigError(
+                f"cannot restore checkpoint {prefix}: {type(exc).__name__}: {first}; pass "
+                "--fresh to start over"
             ) from None
 
     return ModelFormat(
         final=FINAL, at_step=lambda step: f"{FINAL}-{step}", save=save, restore=restore
     )
+
+
+# Lines of a graph execution error that say where, not what.
+_WHERE = ("Graph execution error", "Detected at node", "File ", "Node:", "[[", "Original stack")
+
+
+def _reason(exc: Exception) -> str:
+    """The line of ``exc`` that says what went wrong (a graph execution error's first line
+    only says that there was one)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines()]
+    said = [line for line in lines if line and not line.startswith(_WHERE)]
+    return (said or lines or [type(exc).__name__])[0][:200]

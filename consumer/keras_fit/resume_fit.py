@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import warnings
+import zipfile
 from collections.abc import Callable
 
 import keras
@@ -43,7 +44,12 @@ def keras_format(model: keras.Model) -> ModelFormat:
             optimizer.build(model.trainable_variables)  # its slots exist: they are loaded
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model.load_weights(path)
+            try:
+                model.load_weights(path)
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+                why = " ".join(str(exc).split())[:200]
+                raise ConfigError(f"cannot restore checkpoint {path}: {type(exc).__name__}: "
+                                  f"{why}; pass --fresh to start over") from None  # fmt: skip
         skipped = [str(w.message) for w in caught if "Skipping variable loading" in str(w.message)]
         if skipped:
             why = " ".join(skipped[0].split())
