@@ -101,21 +101,29 @@ def summarize(
 
 
 def run_length(trainer: TrainerBase, interrupted: bool) -> dict[str, Any]:
-    """Planned against done. ``complete``: every planned step trained (None for a run with no
-    planned length, ``--steps 0``); ``short_because``: why a run that was not interrupted
-    ended before its plan (its data or its producers ended), else None."""
+    """Planned against done. Epochs are of ``--steps-per-epoch`` steps, or the passes of a
+    source with passes. ``complete``: every planned step and every planned pass trained (None
+    for a run with no planned length, ``--steps 0`` without passes); ``short_because``: why a
+    run that was not interrupted ended before its plan (its data or its producers ended, or
+    ``--steps`` before its passes), else None."""
     options = trainer.options
-    planned, done = options.total_steps, trainer.steps_done
-    per_epoch = options.steps_per_epoch
-    complete = None if not planned else done >= planned
+    planned, done = trainer.steps_planned, trainer.steps_done
+    per_epoch, passes = options.steps_per_epoch, trainer.passes_trained()
+    checks = ([done >= planned] if planned else []) + (
+        [passes >= options.epochs] if passes is not None else []
+    )
+    complete = all(checks) if checks else None
+    why = trainer.drained_because
+    if why is None and passes is not None and passes < options.epochs and planned <= done:
+        why = f"its {planned} planned steps ended it in pass {passes + 1} (--steps)"
     short = complete is False and not interrupted
     return {
         "planned_steps": planned or None,
         "steps_done": done,
-        "planned_epochs": options.epochs if per_epoch else None,
-        "epochs_done": done // per_epoch if per_epoch else None,
+        "planned_epochs": options.epochs if per_epoch or passes is not None else None,
+        "epochs_done": done // per_epoch if per_epoch else passes,
         "complete": complete,
-        "short_because": (trainer.drained_because or "the run ended early") if short else None,
+        "short_because": (why or "the run ended early") if short else None,
     }
 
 

@@ -50,7 +50,7 @@ from stagefeed.common.position import InputPosition
 from stagefeed.common.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
 from stagefeed.consumer.memory import malloc_policy
-from stagefeed.consumer.run_end import Ending, RunEnd
+from stagefeed.consumer.run_end import Ending, RunEnd, finished_because
 from stagefeed.consumer.tf2.feed import Feed
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class ServedFeed(Feed):
             super().close()
             raise
         self.endpoint = self.intake.endpoint
+        self.options = options
         self._served_closed = False
         self._stop = threading.Event()
         self.run_end = RunEnd(
@@ -128,12 +129,24 @@ class ServedFeed(Feed):
         books no positions (made without ``positions=True`` or ``resume``)."""
         return self._shard_books().position()
 
-    def saved(self, position: InputPosition, finished: bool = False) -> None:
+    def saved(self, position: InputPosition, finished: bool | None = None) -> None:
         """A checkpoint holding ``position`` (a ``position()`` read after its model) is
         written for good: the producers whose whole shard it holds may leave. ``finished``:
-        the loop's last, of a run it will not resume: at ``close`` every producer may leave.
-        ``ConfigError`` if this feed books no positions."""
+        the loop's last, of a run it will not resume: at ``close`` every producer may leave;
+        None: as ``finished(position)`` says (the CLI trainers' rule). ``ConfigError`` if
+        this feed books no positions."""
+        if finished is None:
+            finished = bool(self.finished(position))
         self._shard_books().saved(position, finished)
+
+    def finished(self, position: InputPosition) -> str:
+        """Why a run whose checkpoint holds ``position`` is done, or "" (``run_end.
+        finished_because``, the CLI trainers' rule): every pass of ``options.epochs`` of a
+        source with passes is trained, or every producer's data ended and all of it was
+        trained. A loop's own plan of steps is the loop's to judge (``saved(p, True)``)."""
+        drained = self.run_end.verdict.data_ended and self.figures().queued == 0
+        return finished_because(step=0, planned_steps=0, planned_passes=self.options.epochs,
+                                position=position, data_ended=drained)  # fmt: skip
 
     def _shard_books(self) -> ShardBooks:
         books = self.ledger.shards

@@ -1,0 +1,106 @@
+"""The run's length and "finished" decided by what was planned and trained (issue 28, defects 2
+and 4): real ``stagefeed run`` processes, two producer processes each, on the sources with
+passes and the row-counting models of ``tests/run_length_models.py``.
+
+Defect 2: producers slower than the trainer (0.02-0.15 s a batch), so the last pass is trained
+and saved before the producers' ``end`` reaches the trainer. The final state must still say
+``finished``, and the same command run again is refused (exit 2, one line) instead of training
+every row once more. Defect 4: ``--epochs 1`` (the default) and no ``--steps`` trains the whole
+pass of a source with passes; an explicit, shorter ``--steps`` is a short run (the warning).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_cli
+from tests.run_length_models import PER_PASS, ROWS, graph_counts, keras_counts
+
+PASSES = 3
+BASE = [
+    "run", "--producers", "2", "--schema", "tests.run_length_models:SCHEMA",
+    "--warmup-steps", "0", "--progress-s", "100",
+]  # fmt: skip
+MODELS = {
+    "graph": ("tests.run_length_models:row_counter", "model.ckpt"),
+    "keras": ("tests.run_length_models:keras_counter", "model.keras"),
+}
+
+
+def _counts(kind: str, save) -> np.ndarray:
+    model_file = str(save / MODELS[kind][1])
+    return graph_counts(model_file) if kind == "graph" else keras_counts(model_file)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_finished_run_of_passes_with_slow_producers_is_finished_and_not_trained_again(
+    tmp_path, kind
+):
+    save = tmp_path / "save"
+    command = [*BASE, "--model", MODELS[kind][0], "--source", "tests.run_length_models:slow_rows",
+               "--epochs", str(PASSES), "--save", str(save)]  # fmt: skip
+    done = run_cli(command, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert not (_counts(kind, save) != PASSES).any(), _counts(kind, save)
+    state = json.loads((save / "state.json").read_text())
+    assert state["step"] == PASSES * PER_PASS, state
+    # Whichever came first: the last pass trained, or (now and then) the producers' end.
+    reasons = (f"its passes trained (--epochs {PASSES})", "every producer's data ended")
+    assert state["finished"] in reasons, state
+    assert state["epoch"] == PASSES, state
+    # A normal end: each producer is let go by the trainer, not stopped while it waits.
+    assert "stopped before the trainer saved" not in out, out[-4000:]
+    assert out.count(f"the trainer saved all {PASSES * PER_PASS // 2} batches") == 2, out[-4000:]
+    assert "waiting for it to come back" not in out, out[-4000:]
+
+    again = run_cli(command, timeout=240)
+    assert again.returncode == 2, (again.stdout + again.stderr)[-4000:]
+    errors = [line for line in again.stderr.splitlines() if line.startswith("stagefeed: error")]
+    assert len(errors) == 1 and "holds a finished run" in errors[0], again.stderr[-3000:]
+    assert "Traceback" not in again.stderr
+    assert not (_counts(kind, save) != PASSES).any(), {  # no row trained PASSES + 1 times
+        "rows not trained exactly 3 times": int((_counts(kind, save) != PASSES).sum())
+    }
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_the_default_length_of_a_run_of_passes_is_its_passes(tmp_path, kind):
+    """``--epochs 1`` and no ``--steps``: the whole pass (48 batches, more than the default 30
+    + 2 steps), every row once, epochs filled in the summary and its JSON, no warning."""
+    save, summary = tmp_path / "save", tmp_path / "summary.json"
+    done = run_cli([
+        *BASE, "--model", MODELS[kind][0], "--source", "tests.run_length_models:fast_rows",
+        "--save", str(save), "--json", str(summary),
+    ], timeout=240)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert f"steps {PER_PASS} timed" in done.stdout, done.stdout
+    assert "WARNING" not in done.stdout, out[-4000:]
+    counts = _counts(kind, save)
+    assert counts.shape == (ROWS,) and not (counts != 1).any(), counts
+    run_length = json.loads(summary.read_text())["run_length"]
+    assert run_length == {
+        "planned_steps": None, "steps_done": PER_PASS, "planned_epochs": 1, "epochs_done": 1,
+        "complete": True, "short_because": None,
+    }, run_length  # fmt: skip
+    state = json.loads((save / "state.json").read_text())
+    assert (state["epoch"], state["finished"]) == (1, "its passes trained (--epochs 1)"), state
+
+
+def test_an_explicit_steps_shorter_than_the_passes_is_a_short_run(tmp_path):
+    summary = tmp_path / "summary.json"
+    done = run_cli([
+        *BASE, "--model", MODELS["graph"][0], "--source", "tests.run_length_models:fast_rows",
+        "--steps", "10", "--json", str(summary),
+    ], timeout=240)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    warning = [line for line in done.stdout.splitlines() if "WARNING: ended after" in line]
+    assert len(warning) == 1, done.stdout
+    assert "10 of 10 planned steps, 0 of 1 epochs" in warning[0], warning
+    run_length = json.loads(summary.read_text())["run_length"]
+    assert run_length["complete"] is False and run_length["epochs_done"] == 0, run_length
+    assert "--steps" in run_length["short_because"], run_length
