@@ -134,7 +134,9 @@ class KerasTrainer(TrainerBase):
         self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
-        self._dataset = self.feed.dataset(plan.mapping(), strategy=strategy, cast="step")
+        self._dataset = self.feed.dataset(
+            plan.mapping(), strategy=strategy, cast="step", passes=False  # PassCut: one iterator
+        )
         return plan
 
     def model_format(self, model: keras.Model) -> ModelFormat:

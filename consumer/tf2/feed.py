@@ -28,6 +28,7 @@ from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.keras_fit.callback import FeedCallback, cast_layer
 from stagefeed.consumer.tf2 import pipeline
 from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
+from stagefeed.consumer.tf2.pass_gate import PassGate
 from stagefeed.consumer.tf2.step_books import (
     BooksFigures,
     BooksSink,
@@ -69,6 +70,8 @@ class Feed:
         self.stage_depth = stage_depth
         self.books = StepBooks(self.queue, DequeueLog(capacity + LOG_HEADROOM), sink)
         self._dataset: Any = None
+        # Ends an iterator at a pass boundary (``ServedFeed``: sources with passes); None here.
+        self.gate: PassGate | None = None
 
     def enqueue(self, arrays: Mapping[str, np.ndarray], peer: int, seq: int) -> bool:
         """``EagerQueueFeed.enqueue``: blocks while full, False once closed."""
@@ -100,9 +103,20 @@ class Feed:
             cast=cast,
             strategy=strategy,
             stage_depth=self.stage_depth,
+            gate=self.gate,
         )
         self.books.batches_per_step = per_step
         return self._dataset
+
+    def fit_begins(self, epochs: int, steps: int | None) -> bool:
+        """(``FeedCallback``) ``fit(epochs=epochs)`` begins, ``steps`` a step each epoch (None:
+        not given): True if its epochs are passes (``ServedFeed``); a plain feed has none."""
+        return False
+
+    def passes_ended(self, trained: int) -> int:
+        """(``FeedCallback``, epochs that are passes) how many passes the first ``trained``
+        batches completed since the last call."""
+        return 0
 
     def cast(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         """The schema's cast/scale, for a step to call on its device (``cast="step"``)."""
