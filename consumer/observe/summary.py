@@ -127,6 +127,28 @@ def run_length(trainer: TrainerBase, interrupted: bool) -> dict[str, Any]:
     }
 
 
+def _step_lines(s: dict[str, Any]) -> list[str]:
+    """Step times, throughput and loss; one line when no step was trained (nothing to time)."""
+    if s["steps"] == 0 and s["warmup_steps"] == 0:
+        return ["  no step trained: no step time, stall or loss"]
+    return [
+        f"  ms/step median {_figure(s['median_ms'])}  p10 {_figure(s['p10_ms'])}  "
+        f"p90 {_figure(s['p90_ms'])}",
+        f"  examples/s {_figure(s['examples_per_s'])}  received "
+        f"{_per_s(s['received_mb_per_s'])}  stall {_figure(s['stall_pct'], '%')}",
+        f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})"
+        + (
+            "; metrics " + ", ".join(f"{k} {v}" for k, v in s["metrics"].items())
+            if s.get("metrics") else ""
+        ),
+    ]
+
+
+def _figure(value: float | None, unit: str = "") -> str:
+    """A figure, or ``-`` where there is none (too few timed steps)."""
+    return "-" if value is None else f"{value}{unit}"
+
+
 def _cluster_lines(s: dict[str, Any]) -> list[str]:
     c = s.get("cluster")
     if not c:
@@ -232,14 +254,7 @@ def format_text(summary: dict[str, Any]) -> str:
            else "")
         + (" - interrupted" if s["interrupted"] else "")
         + (" - every producer's data ended" if s.get("data_ended") else ""),
-        f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",
-        f"  examples/s {s['examples_per_s']}  received {_per_s(s['received_mb_per_s'])}  "
-        f"stall {s['stall_pct']}%",
-        f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})"
-        + (
-            "; metrics " + ", ".join(f"{k} {v}" for k, v in s["metrics"].items())
-            if s.get("metrics") else ""
-        ),
+        *_step_lines(s),
         f"  batches received {b['received']}, trained {b['trained']}, "
         f"queued at stop {b['queued_at_stop']}, abandoned {b['abandoned']}, in the intake at stop "
         f"{b['not_enqueued']}, dropped {b['dropped']}, "
