@@ -16,7 +16,8 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import free_tcp_port, run_cli
+from tests.procs import log_text, wait_log
 from tests.run_length_models import PER_PASS, ROWS, graph_counts, keras_counts
 
 PASSES = 3
@@ -104,3 +105,32 @@ def test_an_explicit_steps_shorter_than_the_passes_is_a_short_run(tmp_path):
     run_length = json.loads(summary.read_text())["run_length"]
     assert run_length["complete"] is False and run_length["epochs_done"] == 0, run_length
     assert "--steps" in run_length["short_because"], run_length
+
+
+def test_train_and_produce_train_the_passes_with_the_default_steps_and_end_finished(
+    spawn, tmp_path
+):
+    """``train`` (default ``--steps`` 100, fewer than the 144 batches of 3 passes) and two
+    slow producers: the passes decide the length, the state is finished, each producer is let
+    go by the final checkpoint, and ``train`` again on that directory is refused."""
+    save, endpoint = tmp_path / "save", f"tcp://127.0.0.1:{free_tcp_port()}"
+    command = ["train", "--bind", endpoint, "--schema", "tests.run_length_models:SCHEMA",
+               "--model", MODELS["graph"][0], "--epochs", str(PASSES), "--warmup-steps", "0",
+               "--progress-s", "100", "--save", str(save)]  # fmt: skip
+    trainer = spawn(command, "trainer")
+    assert wait_log(trainer, r"listening on tcp://", 90), log_text(trainer)[-3000:]
+    producers = spawn(["produce", "--connect", endpoint, "--workers", "2", "--schema",
+                       "tests.run_length_models:SCHEMA", "--source",
+                       "tests.run_length_models:slow_rows"], "producers")  # fmt: skip
+    assert trainer.wait(240) == 0, log_text(trainer)[-4000:]
+    assert producers.wait(60) == 0, log_text(producers)[-4000:]
+    assert f"steps {PASSES * PER_PASS} timed" in log_text(trainer), log_text(trainer)[-3000:]
+    assert not (_counts("graph", save) != PASSES).any(), _counts("graph", save)
+    state = json.loads((save / "state.json").read_text())
+    assert state["finished"] and state["epoch"] == PASSES, state
+    text = log_text(producers)
+    assert text.count(f"the trainer saved all {PASSES * PER_PASS // 2} batches") == 2, text[-3000:]
+
+    again = spawn(command, "again")
+    assert again.wait(120) == 2, log_text(again)[-3000:]
+    assert "holds a finished run" in log_text(again) and "Traceback" not in log_text(again)
