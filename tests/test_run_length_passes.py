@@ -110,9 +110,9 @@ def test_an_explicit_steps_shorter_than_the_passes_is_a_short_run(tmp_path):
 def test_train_and_produce_train_the_passes_with_the_default_steps_and_end_finished(
     spawn, tmp_path
 ):
-    """``train`` (default ``--steps`` 100, fewer than the 144 batches of 3 passes) and two
-    slow producers: the passes decide the length, the state is finished, each producer is let
-    go by the final checkpoint, and ``train`` again on that directory is refused."""
+    """``train`` without ``--steps`` and two slow producers: the passes decide the length
+    (144 steps), the state is finished with its epochs, each producer is let go by the final
+    checkpoint, and ``train`` again on that directory is refused."""
     save, endpoint = tmp_path / "save", f"tcp://127.0.0.1:{free_tcp_port()}"
     command = ["train", "--bind", endpoint, "--schema", "tests.run_length_models:SCHEMA",
                "--model", MODELS["graph"][0], "--epochs", str(PASSES), "--warmup-steps", "0",
