@@ -89,7 +89,8 @@ def test_the_default_length_of_a_run_of_passes_is_its_passes(tmp_path, kind):
         "complete": True, "short_because": None,
     }, run_length  # fmt: skip
     state = json.loads((save / "state.json").read_text())
-    assert (state["epoch"], state["finished"]) == (1, "its passes trained (--epochs 1)"), state
+    reasons = ("its passes trained (--epochs 1)", "every producer's data ended")
+    assert state["epoch"] == 1 and state["finished"] in reasons, state
 
 
 def test_an_explicit_steps_shorter_than_the_passes_is_a_short_run(tmp_path):
