@@ -58,14 +58,18 @@ def test_a_finished_run_of_passes_with_slow_producers_is_finished_and_not_traine
     assert out.count(f"the trainer saved all {PASSES * PER_PASS // 2} batches") == 2, out[-4000:]
     assert "waiting for it to come back" not in out, out[-4000:]
 
-    again = run_cli(command, timeout=240)
-    assert again.returncode == 2, (again.stdout + again.stderr)[-4000:]
-    errors = [line for line in again.stderr.splitlines() if line.startswith("stagefeed: error")]
-    assert len(errors) == 1 and "holds a finished run" in errors[0], again.stderr[-3000:]
-    assert "Traceback" not in again.stderr
-    assert not (_counts(kind, save) != PASSES).any(), {  # no row trained PASSES + 1 times
-        "rows not trained exactly 3 times": int((_counts(kind, save) != PASSES).sum())
-    }
+    # Run again as it is, and as the trainer before the fix left it when its save came before
+    # the producers' end ("finished": false): both are refused, no row is trained again.
+    for finished in (state["finished"], False):
+        (save / "state.json").write_text(json.dumps({**state, "finished": finished}))
+        again = run_cli(command, timeout=240)
+        assert again.returncode == 2, (again.stdout + again.stderr)[-4000:]
+        errors = [line for line in again.stderr.splitlines() if line.startswith("stagefeed: e")]
+        assert len(errors) == 1 and "holds a finished run" in errors[0], again.stderr[-3000:]
+        assert "Traceback" not in again.stderr
+        assert not (_counts(kind, save) != PASSES).any(), {  # no row trained PASSES + 1 times
+            "rows not trained exactly 3 times": int((_counts(kind, save) != PASSES).sum())
+        }
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
