@@ -217,6 +217,9 @@ class TrainerOptions:
     # "Passes"): an epoch is then every shard's pass, as long as the data says.
     epochs: int = 1
     steps_per_epoch: int = 0
+    # ``steps`` is the command's default, not asked for (``--steps`` not given): once a source
+    # with passes joins, the run's length is its ``epochs`` passes, not ``steps``.
+    length_by_passes: bool = False
     save_dir: str | None = None  # what was trained is saved here at the end (docs/tf2.md)
     checkpoint_every: int = 0  # steps between checkpoints under save_dir/checkpoints; 0: none
     # A save_dir holding a run: resume from its newest checkpoint (False), or move it aside
@@ -269,7 +272,7 @@ class TrainerOptions:
         ):
             raise ConfigError(f"model must be 'alexnet' or module:NAME, got {self.model!r}")
         self._check_run_length()
-        for name in ("require_full_run", "fresh"):
+        for name in ("require_full_run", "fresh", "length_by_passes"):
             if type(getattr(self, name)) is not bool:
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.on_nan not in ON_NAN:

@@ -54,6 +54,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition
 from stagefeed.common.tf_config import is_chief
 from stagefeed.consumer import resume
+from stagefeed.consumer.intake.passes import passes_trained
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,8 @@ class Checkpoints:
         per_epoch = options.steps_per_epoch
         return {
             "step": step,
-            "epoch": step // per_epoch if per_epoch else None,
+            # epochs of --steps-per-epoch steps, or passes of a source with passes trained
+            "epoch": step // per_epoch if per_epoch else _passes(position),
             "steps_per_epoch": per_epoch or None,
             "model": options.model,
             "model_files": sorted(files),
@@ -205,6 +207,11 @@ class Checkpoints:
             "input": None if position is None else position.to_dict(),
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+
+
+def _passes(position: InputPosition | None) -> int | None:
+    """Every shard's passes ``position`` holds all of (None: no pass ends)."""
+    return None if position is None else passes_trained(position)
 
 
 def _write_atomically(path: str, state: dict[str, Any]) -> None:

@@ -12,7 +12,9 @@ Refused at start (``ConfigError``, one line, exit 2), never resumed silently:
 - ``DIR`` holds a run's files but no complete checkpoint (nothing to resume, and this run
   would overwrite them);
 - the checkpoint is of another ``--model`` or another schema;
-- the run it holds finished (its data ended, or its planned steps are done);
+- the run it holds finished (its data ended, its planned steps are done, or every pass
+  ``--epochs`` plans of a source with passes is trained: the position's pass ends say so,
+  whatever its ``finished``);
 - a state file without an input position (``"input": null``: one written before positions
   were booked): resuming it could not be exact;
 - a state file that is not a regular file, not a JSON object, or holds a number out of
@@ -39,6 +41,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import COUNTS, InputPosition, is_count
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.checkpoint_files import problem, read_state
+from stagefeed.consumer.intake.passes import passes_trained
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,11 @@ def _checked(
                           f"batches twice or never; {again}")  # fmt: skip
     position = InputPosition.from_dict(state["input"], f"checkpoint {path}")
     _step(state, path)
+    passes = passes_trained(position)
+    if passes is not None and passes >= options.epochs:  # a state written without the rule
+        raise ConfigError(f"--save {options.save_dir!r} holds a finished run ({path}: step "
+                          f"{step}, {passes} passes trained of --epochs {options.epochs}): "
+                          f"nothing to resume; {again}")  # fmt: skip
     epoch = state.get("epoch")
     if epoch is not None and not is_count(epoch):
         raise ConfigError(f"checkpoint {path}: epoch must be a count in {COUNTS} or "

@@ -28,6 +28,11 @@ failure (a drain that turns out to follow a source's failure still ends in that 
 ``poll`` never raises. The run's length in steps
 is the trainers' loop bound, not decided here.
 
+Whether a run that ended is *finished* (nothing resumes it: its final state's ``finished``,
+which ``consumer.resume`` refuses to resume) is decided by what was planned and trained, never
+by a race with the intake: ``finished_because`` is the one rule of the graph, Keras and
+cluster trainers and of ``ServedFeed.saved``.
+
 Why the ordering matters beyond one process: with several workers (MultiWorkerMirroredStrategy)
 a collective max of ``int(verdict.ending)`` at a step boundary gives every worker the same
 decision at the same step, so none is left waiting in an all-reduce.
@@ -43,12 +48,35 @@ import time
 from collections.abc import Callable, Sequence
 
 from stagefeed.common.errors import ClosedError, ConfigError
+from stagefeed.common.position import InputPosition
+from stagefeed.consumer.intake.passes import passes_trained
 
 log = logging.getLogger(__name__)
 
 # After every producer process ended without their data having ended (no ``end`` seen), how
 # long the batches they sent may take to reach the queue before the run drains.
 GONE_GRACE_S = 2.0
+
+
+def finished_because(
+    *,
+    step: int,
+    planned_steps: int,
+    planned_passes: int,
+    position: InputPosition | None,
+    data_ended: bool = False,
+) -> str:
+    """Why a run is done after ``step``, or "" if it may go on (resumed): every planned pass
+    of a source with passes is trained (``position``'s pass ends, every shard's, all trained:
+    ``planned_passes``, ``--epochs``), its ``planned_steps`` are done (0: none planned), or
+    every producer's data ended and all of it was trained (``data_ended``). The trained
+    position decides, not whether the producers' ``end`` reached the intake before the save."""
+    if data_ended:
+        return "every producer's data ended"
+    passes = passes_trained(position) if position is not None else None
+    if passes is not None and passes >= planned_passes:
+        return f"its passes trained (--epochs {planned_passes})"
+    return f"{planned_steps} steps done" if planned_steps and step >= planned_steps else ""
 
 
 class Ending(enum.IntEnum):

@@ -25,6 +25,7 @@ from stagefeed.common.errors import NonFiniteLoss
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer.observe.figures import RunFacts, RunReader
+from stagefeed.consumer.run_end import finished_because
 
 log = logging.getLogger(__name__)
 
@@ -168,12 +169,39 @@ class TrainerBase:
         return resumed.step
 
     def finished(self, step: int) -> str:
-        """Why the run is done after ``step`` (its data ended, its steps are done), or "" if
-        it stopped early: the final state's ``finished`` (a finished run is not resumed)."""
-        if self.data_ended:
-            return "every producer's data ended"
-        total = self.options.total_steps
-        return f"{total} steps done" if total and step >= total else ""
+        """Why the run is done after ``step`` (``run_end.finished_because``: its planned passes
+        trained, its planned steps done, its data ended), or "" if it stopped early: the final
+        state's ``finished`` (a finished run is not resumed)."""
+        books = self.ledger.shards
+        return finished_because(
+            step=step,
+            planned_steps=self.steps_planned,
+            planned_passes=self.options.epochs,
+            position=books.position() if books is not None else None,
+            data_ended=self.data_ended,
+        )
+
+    @property
+    def steps_planned(self) -> int:
+        """The run's length in steps (warm-up included; 0: as long as its data or passes say):
+        ``options.total_steps``, or 0 once a source with passes joined a run whose length its
+        passes decide (``options.length_by_passes``: ``--steps`` not given)."""
+        if self.options.length_by_passes and self.passes_trained() is not None:
+            return 0
+        return self.options.total_steps
+
+    def passes_trained(self) -> int | None:
+        """Every shard's passes trained so far (a resumed run's included); None until a source
+        with passes joined (docs/resume.md, "Passes")."""
+        passes = self._intake.passes if self._intake is not None else None
+        if passes is None or not passes.active:
+            return None
+        return passes.first_epoch + self.epochs_of_passes
+
+    def passes_done(self) -> bool:
+        """Every planned pass (``options.epochs``) of a source with passes is trained."""
+        trained = self.passes_trained()
+        return trained is not None and trained >= self.options.epochs
 
     def epoch_ended(self, step: int) -> bool:
         """True if ``step`` (1-based) ends an epoch of ``options.steps_per_epoch``; logs it."""

@@ -207,6 +207,7 @@ class Session:
                          "nothing is waited for", self.endpoint)  # fmt: skip
                 self._post(Saved(None))
                 self.leaving_due = True
+                self._bye = True  # not "waiting for it to come back": nothing will
             if not self._bye:
                 self._bye = True
                 log.info("trainer at %s is closing; waiting for it to come back", self.endpoint)

@@ -90,7 +90,8 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     envflags.add(g, "--recv-threads", type=int, default=2, help="enqueue threads")
     envflags.add(
         g, "--steps", type=int, default=None, shown_default=str(steps),
-        help="timed steps (0: until stopped or the data ends)",
+        help="timed steps (0: until stopped or the data ends; not given, a source with "
+        "passes runs its --epochs passes)",
     )  # fmt: skip
     envflags.add(g, "--warmup-steps", type=int, default=2, help="untimed steps before them")
     envflags.add(
@@ -237,6 +238,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         shm_producers=args.shm_producers or getattr(args, "producers", 1),
         epochs=args.epochs,
         steps_per_epoch=args.steps_per_epoch,
+        length_by_passes=args.steps is None and not args.steps_per_epoch,
         save_dir=args.save, checkpoint_every=args.checkpoint_every, fresh=args.fresh,
         on_nan=args.on_nan,
         require_full_run=args.require_full_run,

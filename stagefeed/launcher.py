@@ -137,16 +137,18 @@ def _train(
 def _close(
     shutdown: Shutdown, monitor: Monitor, trainer: TrainerBase, pool: Producers | None = None
 ) -> None:
-    """Close everything, each step whatever the one before did."""
+    """Close everything, each step whatever the one before did: the trainer before the
+    producers, so that its closing intake lets them go (the ``saved`` of its final checkpoint,
+    a finished run's ``bye``) before they are stopped."""
     shutdown.begin()  # from here on, a signal cuts the grace periods
     try:
         monitor.close()
     finally:
         try:
+            trainer.close()
+        finally:
             if pool is not None:
                 pool.close(hurry=shutdown.urgent.is_set)
-        finally:
-            trainer.close()
 
 
 def _finish(

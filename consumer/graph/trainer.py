@@ -103,7 +103,8 @@ class Trainer(TrainerBase):
     ) -> None:
         """Prime the staging area, then run warm-up and timed steps until done or ``stop``.
 
-        Runs ``options.total_steps`` steps (0: until stopped or the data ended). Each step's
+        Runs ``steps_planned`` steps (0: until stopped or the data ended), and no step past
+        the planned passes of a source with passes. Each step's
         ``StepRecord`` goes to the observers (none is kept here); raises ``ClosedError`` only if
         stopped before priming ended, and ``NonFiniteLoss`` at a non-finite loss under
         ``on_nan="stop"`` (nothing is saved then).
@@ -118,9 +119,11 @@ class Trainer(TrainerBase):
             self.session.run(feed.put)
             self.consumed += 1
         log.info("staging area primed with %d batches", self.consumed)
-        warmup, total = self.options.warmup_steps, self.options.total_steps
+        warmup = self.options.warmup_steps
         base = step = self.resumed_from or 0  # a resumed run's steps go on from its checkpoint
-        while total == 0 or step < total:
+        # The run's steps (``steps_planned``: its passes decide once a source with passes
+        # joined a run without --steps), and no step past its planned passes.
+        while not (0 < self.steps_planned <= step or self.passes_done()):
             verdict = run_end.poll()  # also while batches flow: a failure or stop ends the run
             if verdict.ending is Ending.FAIL:
                 assert verdict.failure is not None

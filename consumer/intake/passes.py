@@ -46,6 +46,14 @@ def epoch_of(position: InputPosition) -> int:
     return epoch
 
 
+def passes_trained(position: InputPosition) -> int | None:
+    """``epoch_of(position)`` for a position with pass ends (a source with passes); None
+    without any."""
+    if not any(s.passes for s in position.streams.values()):
+        return None
+    return epoch_of(position)
+
+
 class PassBooks:
     """Per-shard pass ends and the trainer's epoch (see the module docstring)."""
 

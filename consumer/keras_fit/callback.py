@@ -9,6 +9,13 @@ asynchronously: booking happens on the training thread, right after the step.
 At the end of an epoch, a feed that is closed and drained sets ``model.stop_training``: a
 finite source or a shutdown ends ``fit`` after the epoch in which the data ran out, instead of
 running the remaining epochs on an ended dataset.
+
+Epochs that are passes (a ``ServedFeed`` of a source with passes, ``fit`` given no
+``steps_per_epoch``: ``Feed.fit_begins``): the step that trains the last batch of every
+shard's pass ends ``fit``'s epoch (``stop_training``), and the epoch's end lets ``fit`` go on
+to the next (its validation and callbacks ran in between); the dataset's iterator took nothing
+of the next pass (``consumer.tf2.pass_gate``). Put this callback first: a later one that stops
+``fit`` at that epoch's end is then not undone.
 """
 
 from __future__ import annotations
@@ -53,9 +60,14 @@ class FeedCallback(keras.callbacks.Callback):
         # The books after the last step, taken once a step (a snapshot drains the dequeue log
         # and asks TensorFlow for the queue's size): callbacks after this one read it here.
         self.step_figures: BooksFigures | None = None
+        self._passes = False  # fit's epochs are passes (module docstring)
+        self._cut = False  # the step just trained ended a pass: the epoch ends
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.feed.books.begin()
+        params = self.params or {}
+        self._passes = self.feed.fit_begins(params.get("epochs", 1), params.get("steps"))
+        self._cut = False
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self._first_step = batch
@@ -65,11 +77,17 @@ class FeedCallback(keras.callbacks.Callback):
         self.step_figures = self.feed.books.figures()
         if logs is not None:
             logs.update(self.step_figures.logs(self.prefix))
+        if self._passes and self.feed.passes_ended(self.step_figures.trained):
+            self._cut = True
+            self.model.stop_training = True
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         figures = self.feed.books.figures()
         if logs is not None:
             logs.update(figures.logs(self.prefix))
+        if self._cut:  # the epoch was the pass: fit goes on to the next one
+            self._cut = False
+            self.model.stop_training = False
         if self.feed.queue.closed and figures.queued == 0:
             log.info("feed closed and drained after epoch %d: stopping fit", epoch + 1)
             self.model.stop_training = True

@@ -86,16 +86,24 @@ class FitPlan:
     first_epoch_steps: int = 0
 
 
-def fit_plan(options: TrainerOptions, step: int) -> FitPlan | None:
-    """The plan to train the run's steps after ``step``; None if none are left."""
+def fit_plan(options: TrainerOptions, step: int, passes: int = 0) -> FitPlan | None:
+    """The plan to train the run's steps after ``step`` (``passes``: the passes of a source
+    with passes its checkpoint had trained); None if none are left.
+
+    Epochs that are passes (``--epochs E`` without ``--steps``): ``fit``'s epochs ``passes``
+    to ``E``, each ended at its pass boundary by ``PassCut``; where the source turns out to
+    have no passes, the trainer ends ``fit`` at its planned steps (``steps_planned``)."""
     per_epoch, total = options.steps_per_epoch, options.total_steps
-    if total and step >= total:
-        return None
     if per_epoch:
+        if step >= total:
+            return None
         left = -step % per_epoch  # steps left in the epoch the checkpoint fell in (0: none)
         return FitPlan(options.epochs, step // per_epoch, per_epoch, left)
-    if options.epochs > 1 and not total:  # epochs of passes: PassCut ends each at its boundary
-        return FitPlan(options.epochs, 0, PASS_EPOCH_STEPS)
+    if options.length_by_passes or (options.epochs > 1 and not total):
+        return None if passes >= options.epochs else FitPlan(options.epochs, passes,
+                                                              PASS_EPOCH_STEPS)  # fmt: skip
+    if total and step >= total:
+        return None
     return FitPlan(1, 0, total - step if total else None)
 
 

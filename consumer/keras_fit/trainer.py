@@ -6,10 +6,11 @@ launcher, the monitor and the summary cannot tell them apart.
 Lifecycle: ``start()`` builds and checks the model (``consumer.keras_fit.model_check``: a bad one
 is a ``ConfigError`` before the feed binds), restores it from the newest checkpoint of
 ``--save DIR`` when there is one (docs/resume.md), then binds the ``ServedFeed`` ->
-``train(stop)`` runs ``fit`` for ``options.total_steps`` steps (``epochs`` x
+``train(stop)`` runs ``fit`` for ``steps_planned`` steps (``epochs`` x
 ``steps_per_epoch``; 0: until stopped or the data ends; a resumed run: the steps left after its
-checkpoint, ``consumer.keras_fit.resume_fit``) -> ``close()`` (idempotent: the feed stops
-granting credit, its queue closes, the intake's threads are joined).
+checkpoint, ``consumer.keras_fit.resume_fit``), or the planned passes of a source with passes
+-> ``close()`` (idempotent: the feed stops granting credit, its queue closes, the intake's
+threads are joined).
 
 With ``--save``, the feed's books hold the input position per shard: ``FeedCallback`` books the
 batches each step trained (never the prefetched tail) and the checkpoint written after that
@@ -134,7 +135,9 @@ class KerasTrainer(TrainerBase):
         self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
-        self._dataset = self.feed.dataset(plan.mapping(), strategy=strategy, cast="step")
+        self._dataset = self.feed.dataset(
+            plan.mapping(), strategy=strategy, cast="step", passes=False  # PassCut: one iterator
+        )
         return plan
 
     def model_format(self, model: keras.Model) -> ModelFormat:
@@ -162,7 +165,7 @@ class KerasTrainer(TrainerBase):
         a non-finite loss under ``on_nan="stop"`` (nothing is saved then).
         """
         assert self.feed is not None and self.model is not None
-        plan = fit_plan(self.options, self.step_base)
+        plan = fit_plan(self.options, self.step_base, self.passes_trained() or 0)
         if plan is None:  # a checkpoint of the run's last step: nothing left to train
             log.info("the run's %d steps were done before the checkpoint", self.step_base)
         else:
@@ -248,6 +251,8 @@ class KerasTrainer(TrainerBase):
         self.epoch_ended(record.step)
         if self.passes_ended(record.step - self.step_base) and self._pass_cut is not None:
             self._pass_cut.cut()  # fit's epoch is the pass: every shard's, nothing of the next
+        if 0 < self.steps_planned <= record.step or self.passes_done():
+            self.stop_fit()  # the planned steps or passes are trained: nothing lets fit go on
         if self.checkpoints is not None:
             self.checkpoints.after_step(record.step)
 

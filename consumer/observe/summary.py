@@ -101,22 +101,52 @@ def summarize(
 
 
 def run_length(trainer: TrainerBase, interrupted: bool) -> dict[str, Any]:
-    """Planned against done. ``complete``: every planned step trained (None for a run with no
-    planned length, ``--steps 0``); ``short_because``: why a run that was not interrupted
-    ended before its plan (its data or its producers ended), else None."""
+    """Planned against done. Epochs are of ``--steps-per-epoch`` steps, or the passes of a
+    source with passes. ``complete``: every planned step and every planned pass trained (None
+    for a run with no planned length, ``--steps 0`` without passes); ``short_because``: why a
+    run that was not interrupted ended before its plan (its data or its producers ended, or
+    ``--steps`` before its passes), else None."""
     options = trainer.options
-    planned, done = options.total_steps, trainer.steps_done
-    per_epoch = options.steps_per_epoch
-    complete = None if not planned else done >= planned
+    planned, done = trainer.steps_planned, trainer.steps_done
+    per_epoch, passes = options.steps_per_epoch, trainer.passes_trained()
+    checks = ([done >= planned] if planned else []) + (
+        [passes >= options.epochs] if passes is not None else []
+    )
+    complete = all(checks) if checks else None
+    why = trainer.drained_because
+    if why is None and passes is not None and passes < options.epochs and planned <= done:
+        why = f"its {planned} planned steps ended it in pass {passes + 1} (--steps)"
     short = complete is False and not interrupted
     return {
         "planned_steps": planned or None,
         "steps_done": done,
-        "planned_epochs": options.epochs if per_epoch else None,
-        "epochs_done": done // per_epoch if per_epoch else None,
+        "planned_epochs": options.epochs if per_epoch or passes is not None else None,
+        "epochs_done": done // per_epoch if per_epoch else passes,
         "complete": complete,
-        "short_because": (trainer.drained_because or "the run ended early") if short else None,
+        "short_because": (why or "the run ended early") if short else None,
     }
+
+
+def _step_lines(s: dict[str, Any]) -> list[str]:
+    """Step times, throughput and loss; one line when no step was trained (nothing to time)."""
+    if s["steps"] == 0 and s["warmup_steps"] == 0:
+        return ["  no step trained: no step time, stall or loss"]
+    return [
+        f"  ms/step median {_figure(s['median_ms'])}  p10 {_figure(s['p10_ms'])}  "
+        f"p90 {_figure(s['p90_ms'])}",
+        f"  examples/s {_figure(s['examples_per_s'])}  received "
+        f"{_per_s(s['received_mb_per_s'])}  stall {_figure(s['stall_pct'], '%')}",
+        f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})"
+        + (
+            "; metrics " + ", ".join(f"{k} {v}" for k, v in s["metrics"].items())
+            if s.get("metrics") else ""
+        ),
+    ]
+
+
+def _figure(value: float | None, unit: str = "") -> str:
+    """A figure, or ``-`` where there is none (too few timed steps)."""
+    return "-" if value is None else f"{value}{unit}"
 
 
 def _cluster_lines(s: dict[str, Any]) -> list[str]:
@@ -224,14 +254,7 @@ def format_text(summary: dict[str, Any]) -> str:
            else "")
         + (" - interrupted" if s["interrupted"] else "")
         + (" - every producer's data ended" if s.get("data_ended") else ""),
-        f"  ms/step median {s['median_ms']}  p10 {s['p10_ms']}  p90 {s['p90_ms']}",
-        f"  examples/s {s['examples_per_s']}  received {_per_s(s['received_mb_per_s'])}  "
-        f"stall {s['stall_pct']}%",
-        f"  loss {s['loss_first']} -> {s['loss_last']} (finite: {s['loss_finite']})"
-        + (
-            "; metrics " + ", ".join(f"{k} {v}" for k, v in s["metrics"].items())
-            if s.get("metrics") else ""
-        ),
+        *_step_lines(s),
         f"  batches received {b['received']}, trained {b['trained']}, "
         f"queued at stop {b['queued_at_stop']}, abandoned {b['abandoned']}, in the intake at stop "
         f"{b['not_enqueued']}, dropped {b['dropped']}, "

@@ -58,6 +58,7 @@ class EagerQueueFeed:
                 capacity, dtypes, shapes=shapes, name="stagefeed_batches"
             )
         self._lock = threading.Lock()
+        self._more = threading.Condition(self._lock)  # an enqueue or the close happened
         self._enqueued = 0
         self._closed = False
         log.info(
@@ -85,7 +86,15 @@ class EagerQueueFeed:
             return False
         with self._lock:
             self._enqueued += 1
+            self._more.notify_all()
         return True
+
+    def wait_for_more(self, than: int, timeout: float) -> int:
+        """Wait until more than ``than`` batches entered the queue, it is closed, or
+        ``timeout`` passed; the batches that entered it."""
+        with self._more:
+            self._more.wait_for(lambda: self._enqueued > than or self._closed, timeout)
+            return self._enqueued
 
     def _components(self, arrays: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         if not isinstance(arrays, Mapping) or set(arrays) != set(self.schema.names):
@@ -127,6 +136,7 @@ class EagerQueueFeed:
             if self._closed:
                 return
             self._closed = True
+            self._more.notify_all()
         try:
             self.queue.close(cancel_pending_enqueues=True)
         except tf.errors.OpError as exc:

@@ -28,6 +28,7 @@ from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.keras_fit.callback import FeedCallback, cast_layer
 from stagefeed.consumer.tf2 import pipeline
 from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
+from stagefeed.consumer.tf2.pass_gate import PassGate
 from stagefeed.consumer.tf2.step_books import (
     BooksFigures,
     BooksSink,
@@ -70,6 +71,8 @@ class Feed:
         self.books = StepBooks(self.queue, DequeueLog(capacity + LOG_HEADROOM), sink)
         self._dataset: Any = None
         self._targets: tuple[ArraySpec, ...] | None = None  # y's array, when the mapping names it
+        # Ends an iterator at a pass boundary (``ServedFeed``: sources with passes); None here.
+        self.gate: PassGate | None = None
 
     def enqueue(self, arrays: Mapping[str, np.ndarray], peer: int, seq: int) -> bool:
         """``EagerQueueFeed.enqueue``: blocks while full, False once closed."""
@@ -101,6 +104,7 @@ class Feed:
             cast=cast,
             strategy=strategy,
             stage_depth=self.stage_depth,
+            gate=self.gate,
         )
         self.books.batches_per_step = per_step
         y = mapping[1] if isinstance(mapping, Sequence) and len(mapping) > 1 else None
@@ -120,6 +124,16 @@ class Feed:
             raise ConfigError("check_model(model): call dataset() first, it makes the elements")
         spec = self._dataset.element_spec if isinstance(self._dataset, tf.data.Dataset) else None
         check_fit(model, spec, self._targets)
+
+    def fit_begins(self, epochs: int, steps: int | None) -> bool:
+        """(``FeedCallback``) ``fit(epochs=epochs)`` begins, ``steps`` a step each epoch (None:
+        not given): True if its epochs are passes (``ServedFeed``); a plain feed has none."""
+        return False
+
+    def passes_ended(self, trained: int) -> int:
+        """(``FeedCallback``, epochs that are passes) how many passes the first ``trained``
+        batches completed since the last call."""
+        return 0
 
     def cast(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         """The schema's cast/scale, for a step to call on its device (``cast="step"``)."""

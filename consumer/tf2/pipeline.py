@@ -33,6 +33,7 @@ from stagefeed.common.options import check_stage_depth
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.cast import cast_arrays
 from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
+from stagefeed.consumer.tf2.pass_gate import PassGate
 from stagefeed.consumer.tf2.step_books import DequeueLog
 
 log = logging.getLogger(__name__)
@@ -73,15 +74,20 @@ def element_structure(schema: Schema, mapping: ElementMapping) -> Callable[[dict
     return structure
 
 
-def dequeued(queue: EagerQueueFeed, dequeues: DequeueLog) -> tf.data.Dataset:
+def dequeued(
+    queue: EagerQueueFeed, dequeues: DequeueLog, gate: PassGate | None = None
+) -> tf.data.Dataset:
     """Dicts of the schema's arrays in queue order; every element is logged in ``dequeues``.
 
-    Ends once the queue is closed and empty.
+    Ends once the queue is closed and empty; with a ``gate``, also where it says so (a pass
+    boundary, ``consumer.tf2.pass_gate``).
     """
     fifo = queue.queue
     names = queue.schema.names
 
     def more(index: tf.Tensor, generation: tf.Tensor) -> tf.Tensor:
+        if gate is not None:
+            return gate.more(generation)
         return tf.logical_or(tf.logical_not(fifo.is_closed()), fifo.size() > 0)
 
     def dequeue(index: tf.Tensor, generation: tf.Tensor) -> dict[str, tf.Tensor]:
@@ -112,8 +118,10 @@ def build(
     cast: CastWhere = "pipeline",
     strategy: tf.distribute.Strategy | None = None,
     stage_depth: int = 2,
+    gate: PassGate | None = None,
 ) -> tuple[tf.data.Dataset | tf.distribute.DistributedDataset, int]:
     """The dataset ``fit`` or a custom loop iterates, and the queue elements one step consumes.
+    ``gate``: what decides each dequeue (``dequeued``).
 
     ``cast="pipeline"`` applies the schema's cast/scale in tf.data (host CPU, before the copy
     to the device); ``"step"`` leaves wire dtypes, for the step to cast on its device.
@@ -124,9 +132,11 @@ def build(
     schema = queue.schema
     structure = element_structure(schema, mapping)
     if cast == "pipeline":
-        ds = dequeued(queue, dequeues).map(lambda batch: structure(cast_arrays(schema, batch)))
+        ds = dequeued(queue, dequeues, gate).map(
+            lambda batch: structure(cast_arrays(schema, batch))
+        )
     else:
-        ds = dequeued(queue, dequeues).map(structure)
+        ds = dequeued(queue, dequeues, gate).map(structure)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     # An injected, autotuned prefetch would dequeue 1-2 more batches ahead (measured): they sit

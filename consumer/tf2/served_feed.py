@@ -42,6 +42,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads
@@ -50,8 +51,10 @@ from stagefeed.common.position import InputPosition
 from stagefeed.common.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
 from stagefeed.consumer.memory import malloc_policy
-from stagefeed.consumer.run_end import Ending, RunEnd
+from stagefeed.consumer.run_end import Ending, RunEnd, finished_because
+from stagefeed.consumer.tf2 import pipeline
 from stagefeed.consumer.tf2.feed import Feed
+from stagefeed.consumer.tf2.pass_gate import PassGate
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +109,13 @@ class ServedFeed(Feed):
             super().close()
             raise
         self.endpoint = self.intake.endpoint
+        self.options = options
+        # Only a run of several passes has boundaries to end an iterator at (none: no
+        # predicate in Python before each dequeue).
+        self.gate = PassGate(self.queue, self._pass_boundaries) if options.epochs > 1 else None
+        self._passes_reported = 0  # passes whose end the books' trained batches reached
+        self._fit_epochs: int | None = None  # a fit whose epochs are passes: its epochs
+        self._gated = True  # dataset(passes=True): fit's epochs may be passes
         self._served_closed = False
         self._stop = threading.Event()
         self.run_end = RunEnd(
@@ -122,18 +132,94 @@ class ServedFeed(Feed):
         """Raise ``BrokenError`` if the intake failed (call between epochs or steps)."""
         self.intake.check()
 
+    def dataset(
+        self,
+        mapping: pipeline.ElementMapping = None,
+        *,
+        strategy: tf.distribute.Strategy | None = None,
+        cast: pipeline.CastWhere = "pipeline",
+        passes: bool = True,
+    ) -> tf.data.Dataset | tf.distribute.DistributedDataset:
+        """``Feed.dataset``; ``passes``: its iterators may end at pass boundaries (``fit``
+        given no ``steps_per_epoch`` trains one pass an epoch, ``consumer.tf2.pass_gate``).
+        False: one iterator goes on across passes (the CLI's Keras trainer: ``PassCut``)."""
+        if not passes:
+            self.gate, self._gated = None, False
+        return super().dataset(mapping, strategy=strategy, cast=cast)
+
+    def fit_begins(self, epochs: int, steps: int | None) -> bool:
+        """``fit(epochs=epochs)`` without ``steps_per_epoch`` (``steps`` None) on a source with
+        passes: one epoch a pass. ``ConfigError`` (one line) if the producers make another
+        number of passes than ``fit`` has epochs (``options.epochs``, told in the welcome)."""
+        if steps is not None or not self._gated:
+            return False
+        self._fit_epochs = epochs
+        self._check_epochs()
+        if self.gate is not None:
+            self.gate.cut = True
+        return True
+
+    def passes_ended(self, trained: int) -> int:
+        """Passes the first ``trained`` batches completed since the last call (logged). Waits
+        until that is known, when nothing after them is queued yet: the pass's end (its
+        boundary), a later batch of the same pass (the next pass's come after the boundary),
+        or the queue closed. The next step would have waited for that batch anyway."""
+        self._check_epochs()
+        passes = self.intake.passes
+        if self.gate is None or passes is None or not passes.active:
+            return 0  # one pass at most: its end is the data's
+        while True:
+            enqueued = self.queue.wait_for_more(trained, WATCH_S)  # then the boundaries
+            ended = passes.ended_by(trained, self._passes_reported)
+            if ended or enqueued > trained or self.queue.closed:
+                break
+        for epoch, _ in ended:
+            log.info("every shard's pass %d is trained: fit's epoch %d/%d ends", epoch,
+                     epoch + 1, self.options.epochs)  # fmt: skip
+        self._passes_reported += len(ended)
+        return len(ended)
+
+    def _check_epochs(self) -> None:
+        passes = self.intake.passes
+        fit_epochs = self._fit_epochs
+        if fit_epochs is None or passes is None or not passes.active:
+            return
+        if fit_epochs != self.options.epochs:
+            raise ConfigError(
+                f"fit(epochs={fit_epochs}) on a source with passes whose producers make "
+                f"TrainerOptions(epochs={self.options.epochs}) passes: an epoch is every "
+                f"shard's pass; give TrainerOptions(epochs={fit_epochs})"
+            )
+
+    def _pass_boundaries(self) -> list[int]:
+        """The batches enqueued when each pass ended (all of it in the queue)."""
+        passes = self.intake.passes
+        return [at for _, at in list(passes.boundaries)] if passes is not None else []
+
     def position(self) -> InputPosition:
         """What the booked steps trained, per shard (a copy): read it after saving the model,
         and pass it back as ``ServedFeed(options, resume=...)``. ``ConfigError`` if this feed
         books no positions (made without ``positions=True`` or ``resume``)."""
         return self._shard_books().position()
 
-    def saved(self, position: InputPosition, finished: bool = False) -> None:
+    def saved(self, position: InputPosition, finished: bool | None = None) -> None:
         """A checkpoint holding ``position`` (a ``position()`` read after its model) is
         written for good: the producers whose whole shard it holds may leave. ``finished``:
-        the loop's last, of a run it will not resume: at ``close`` every producer may leave.
-        ``ConfigError`` if this feed books no positions."""
+        the loop's last, of a run it will not resume: at ``close`` every producer may leave;
+        None: as ``finished(position)`` says (the CLI trainers' rule). ``ConfigError`` if
+        this feed books no positions."""
+        if finished is None:
+            finished = bool(self.finished(position))
         self._shard_books().saved(position, finished)
+
+    def finished(self, position: InputPosition) -> str:
+        """Why a run whose checkpoint holds ``position`` is done, or "" (``run_end.
+        finished_because``, the CLI trainers' rule): every pass of ``options.epochs`` of a
+        source with passes is trained, or every producer's data ended and all of it was
+        trained. A loop's own plan of steps is the loop's to judge (``saved(p, True)``)."""
+        drained = self.run_end.verdict.data_ended and self.figures().queued == 0
+        return finished_because(step=0, planned_steps=0, planned_passes=self.options.epochs,
+                                position=position, data_ended=drained)  # fmt: skip
 
     def _shard_books(self) -> ShardBooks:
         books = self.ledger.shards
