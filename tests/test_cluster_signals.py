@@ -6,8 +6,9 @@ TensorFlow's coordination service takes SIGTERM below Python once the strategy e
 trainer takes it back. SIGTERM goes to one worker's process or to both, as Kubernetes stops a
 pod: every worker then stops after the same step within the single trainer's bound
 (tests/test_signals.py; plus ``ITERATOR_DELETE_S``, below), prints its summary, exits 0, and
-the chief writes its final checkpoint (``--save``). A worker waiting for data (no producer, or producers it refused)
-follows another's stop too, and says every ``wait_log_s`` (10 s) what it waits for.
+the chief writes its final checkpoint (``--save``). A worker waiting for data (no producer,
+or producers it refused) follows another's stop too, and says every ``wait_log_s`` (10 s)
+what it waits for.
 """
 
 from __future__ import annotations
