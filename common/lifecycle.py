@@ -207,6 +207,29 @@ def on_stop_signals(
     return Shutdown(handler, on_urgent).install().restore
 
 
+def reclaim_stop_signals() -> list[str]:
+    """Put Python's SIGINT and SIGTERM handlers back in force after a library replaced them
+    below Python; the names of the signals set again. Main thread only (else nothing is done).
+
+    ``signal.getsignal`` reads Python's own table, not the process's: a C library that calls
+    ``signal()``/``sigaction()`` takes the signal while ``getsignal`` still names the Python
+    handler, which then never runs. TensorFlow does so for SIGTERM once
+    ``MultiWorkerMirroredStrategy`` starts its coordination service (TF 2.21: the preemption
+    notifier of ``libtensorflow_cc``, which only records it), so a cluster worker ignored
+    SIGTERM. Setting the same Python handler again installs CPython's C handler again.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("stop signals not reclaimed: not on the main thread")
+        return []
+    names = []
+    for sig in STOP_SIGNALS:
+        handler = signal.getsignal(sig)
+        if handler is not None:  # None: not set from Python, nothing to put back
+            signal.signal(sig, handler)
+            names.append(signal.Signals(sig).name)
+    return names
+
+
 def exit_if_threads_left(code: int, timeout_s: float) -> None:
     """Last resort at the end of a command, once everything was closed and the summary written.
 

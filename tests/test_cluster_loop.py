@@ -122,7 +122,7 @@ def test_two_workers_train_like_one_process_on_their_batches_put_together(worker
     ("ends", "reason", "votes"),
     [
         ((None, 3), "the data of worker 1 ended", ["RUNNING", "DRAIN"]),
-        ((3, 3), "every worker's data ended", []),
+        ((3, 3), "every worker's data ended", ["DRAIN", "DRAIN"]),
     ],
     ids=["one-worker", "both"],
 )

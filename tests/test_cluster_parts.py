@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from stagefeed.common.errors import ConfigError
 from stagefeed.consumer.cluster import strategy
-from stagefeed.consumer.cluster.collective_stop import ALL_ENDED, decode, vote_for
+from stagefeed.consumer.cluster.collective_stop import decode, vote_for
 from stagefeed.consumer.cluster.loop import broken_cause
 from stagefeed.consumer.run_end import Ending, Verdict
 
@@ -75,7 +75,11 @@ def test_the_verdict_is_the_highest_vote_and_names_who_and_why():
     assert ended.reason == "the data of worker 1 ended"
     failed = decode([3, 4, 2, 4], local_replicas=1)
     assert failed.reason == "worker 0 failed" and failed.workers == (0,)
-    assert ALL_ENDED.reason == "every worker's data ended" and not ALL_ENDED.go
+    # every worker's data ended (no batch anywhere): the ballot of sizes 0 still carries a stop
+    all_ended = decode([1, 0, 1, 0], local_replicas=1)
+    assert all_ended.reason == "every worker's data ended" and not all_ended.go
+    stopped = decode([1, 0, 2, 0], local_replicas=1)
+    assert stopped.ending is Ending.STOP and stopped.reason == "worker 1 stops"
 
 
 def test_a_draining_worker_votes_to_train_its_tail():

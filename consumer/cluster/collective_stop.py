@@ -18,6 +18,9 @@ One step, on every worker, in this order:
    the replica's vote (``local``, raised to ``DRAIN`` if its batch is empty) and its batch
    size. Every worker gets the same vector, so the same ``ClusterVerdict``: its ``ending`` is
    the max of the votes, ``workers`` who voted it, ``global_batch`` the step's total size.
+   Once every worker's data ended (``fetch`` returned None, on every worker at once) the
+   ballot still goes round, with sizes 0, so that a stop or a failure is not taken for the end
+   of the data: a stop that closed every queue before any batch came is still a ``STOP``.
 3. The train step runs only if ``verdict.go`` (every vote ``RUNNING``); otherwise the loop
    ends and the fetched batches are not trained.
 
@@ -79,7 +82,7 @@ class ClusterVerdict:
     def reason(self) -> str:
         if self.go:
             return "running"
-        if self.ending is Ending.DRAIN and not self.votes:
+        if self.ending is Ending.DRAIN and len(self.no_data) == len(self.votes):
             return "every worker's data ended"
         if self.ending is Ending.DRAIN and self.no_data:
             return f"the data of worker {_names(self.no_data)} ended"
@@ -89,9 +92,6 @@ class ClusterVerdict:
 
 def _names(workers: tuple[int, ...]) -> str:
     return ", ".join(str(w) for w in workers)
-
-
-ALL_ENDED = ClusterVerdict(Ending.DRAIN, (), 0)
 
 
 def decode(reduced: list[int], local_replicas: int) -> ClusterVerdict:
@@ -138,6 +138,7 @@ class CollectiveStop:
         self.workers = self.replicas // self.local_replicas
         self._next = tf.function(self._next_fn)
         self._vote = tf.function(self._vote_fn)
+        self._vote_ended = tf.function(self._vote_ended_fn)
 
     def fetch(self, iterator: Any) -> Any | None:
         """The step's per-replica batch; None once every worker's data ended (all together)."""
@@ -148,9 +149,8 @@ class CollectiveStop:
 
     def vote(self, local: Ending, batch: Any | None) -> ClusterVerdict:
         """All-reduce this worker's vote with everyone's; the same verdict on every worker."""
-        if batch is None:
-            return ALL_ENDED
-        reduced = self._vote(batch, tf.constant(int(local), tf.int32))
+        vote = tf.constant(int(local), tf.int32)
+        reduced = self._vote_ended(vote) if batch is None else self._vote(batch, vote)
         reduced = self.strategy.experimental_local_results(reduced)[0].numpy()
         return decode([int(v) for v in reduced], self.local_replicas)
 
@@ -159,14 +159,20 @@ class CollectiveStop:
         return next(iterator)
 
     def _vote_fn(self, batch: Any, local: tf.Tensor) -> Any:
-        replicas = self.replicas
-
         def ballot(batch: Any, local: tf.Tensor) -> tf.Tensor:
-            context = tf.distribute.get_replica_context()
-            size = tf.shape(tf.nest.flatten(batch)[0])[0]
-            mine = tf.where(size > 0, local, tf.maximum(local, int(Ending.DRAIN)))
-            slots = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=tf.int32)
-            ballot = tf.reshape(tf.stack([slots * mine, slots * size], axis=1), [-1])
-            return context.all_reduce(tf.distribute.ReduceOp.SUM, ballot)
+            return self._ballot(tf.shape(tf.nest.flatten(batch)[0])[0], local)
 
         return self.strategy.run(ballot, args=(batch, local))
+
+    def _vote_ended_fn(self, local: tf.Tensor) -> Any:
+        """The ballot once every worker's data ended: no batch, every size 0."""
+        return self.strategy.run(lambda local: self._ballot(tf.constant(0), local), args=(local,))
+
+    def _ballot(self, size: tf.Tensor, local: tf.Tensor) -> tf.Tensor:
+        """(in a replica) this replica's vote (raised to ``DRAIN`` without a batch) and size in
+        its slots, all-reduced."""
+        context = tf.distribute.get_replica_context()
+        mine = tf.where(size > 0, local, tf.maximum(local, int(Ending.DRAIN)))
+        slots = tf.one_hot(context.replica_id_in_sync_group, self.replicas, dtype=tf.int32)
+        ballot = tf.reshape(tf.stack([slots * mine, slots * size], axis=1), [-1])
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, ballot)

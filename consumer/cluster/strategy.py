@@ -18,6 +18,11 @@ TensorFlow's private ``context.configure_coordination_service``, configured as t
 itself would (standalone service, led by the chief or worker 0): shorter finds a dead worker
 sooner, but a worker whose heartbeat thread is starved of CPU for that long is declared dead.
 
+Signals: the strategy's coordination service installs TensorFlow's own SIGTERM handler (its
+preemption notifier, which only records the signal), below Python's; ``make_cluster`` puts
+Python's back (``common.lifecycle.reclaim_stop_signals``), so SIGTERM stops a worker as it
+stops one trainer.
+
 TF_CONFIG: TensorFlow's ``TFConfigClusterResolver`` reads it. The few facts needed before
 TensorFlow loads (``in_cluster``, and the worker index and count for log lines) come from
 ``stagefeed.common.tf_config``, which checks it with TensorFlow's rules. Who is chief follows
@@ -33,6 +38,7 @@ from typing import Any
 
 from stagefeed.common import tf_config
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.lifecycle import reclaim_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +129,8 @@ def make_cluster(
             "the cluster strategy must be made before any other TensorFlow op in the process "
             f"({exc})"
         ) from None
+    # TensorFlow's preemption notifier has just taken SIGTERM below Python: give it back.
+    log.debug("cluster: %s handled by Python again", ", ".join(reclaim_stop_signals()))
     resolver = strategy.cluster_resolver
     cluster = Cluster(
         strategy=strategy,

@@ -15,8 +15,11 @@ producers connect to every worker) -> ``train(stop)`` -> ``close()`` (idempotent
 The worker's own ``RunEnd`` (stop, intake and producer failures, the end of its data) is its
 vote; a watcher thread, ``stagefeed-cluster-watch``, closes the feed's queue as soon as the
 verdict is not ``RUNNING``, so a worker waiting for a batch that will not come returns and
-votes. Every worker books the batches its own steps trained, in its own summary; only the chief
-keeps checkpoints and ``--save`` (``consumer.checkpoints``).
+votes. A stop or failure goes to the other workers too (``consumer.cluster.peer_stop``), whose
+watchers close their queues in turn: a worker waiting for data (no producer yet) would not
+reach the vote otherwise. While its queue stays empty the watcher logs the waiting line
+(``consumer.wait_line``). Every worker books the batches its own steps trained, in its own
+summary; only the chief keeps checkpoints and ``--save`` (``consumer.checkpoints``).
 
 Resume (docs/resume.md, "Several trainer workers"): each shard feeds one worker, whose books
 hold the batches its steps trained; the chief's checkpoint (only its ``--save DIR`` is read)
@@ -40,6 +43,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.cluster import loop
 from stagefeed.consumer.cluster.collective_stop import vote_for
+from stagefeed.consumer.cluster.peer_stop import PeerStop
 from stagefeed.consumer.cluster.positions import share_resume, union_position
 from stagefeed.consumer.cluster.shared_state import broadcast_variables, sum_over_workers
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
@@ -47,6 +51,7 @@ from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterat
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd
 from stagefeed.consumer.trainer_base import StepObserver, StepRecord
+from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +175,27 @@ class ClusterTrainer(KerasTrainer):
         return {"workers": self.cluster.count, "steps": steps, **books}, round(failed_workers)
 
     def _watch(self, run_end: RunEnd, done: threading.Event) -> None:
-        """Close the queue once this worker's verdict is not RUNNING: a fetch waiting for a
-        batch returns (the queued tail is still fetched), and the next vote carries it."""
+        """Close the queue once this worker's verdict is not RUNNING, or once another worker
+        said it stops or fails (``PeerStop``): a fetch waiting for a batch returns (the queued
+        tail is still fetched), and the next vote carries it. A stop or failure of this
+        worker's own is told to the others first. Meanwhile, the waiting line."""
         assert self.feed is not None
+        queue = self.feed.queue
+        peers = PeerStop(self.cluster.index)
+        line = WaitLine(self.options.wait_log_s, self.ledger.producer_count, self.endpoint)
         while not done.wait(WATCH_S):
-            if run_end.poll().ending is not Ending.RUNNING:
-                self.feed.queue.close()
+            verdict = run_end.poll()
+            if verdict.ending is not Ending.RUNNING:
+                if verdict.ending >= Ending.STOP:
+                    peers.tell(verdict.reason)
+                queue.close()
                 return
+            news = peers.heard()
+            if news is not None:
+                log.info("cluster: %s; this worker takes no more batches and ends with it", news)
+                queue.close()
+                return
+            line.starved(self.steps_done, queue.size())
 
     def _after_step(self, step: int, figures: dict[str, float]) -> None:
         """(the loop's thread) book the step this worker trained, show it, checkpoint."""

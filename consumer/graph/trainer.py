@@ -24,6 +24,7 @@ from stagefeed.consumer.intake.intake import Intake
 from stagefeed.consumer.memory import malloc_policy
 from stagefeed.consumer.run_end import Ending, RunEnd
 from stagefeed.consumer.trainer_base import StepObserver, StepRecord, TrainerBase
+from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1
@@ -172,7 +173,8 @@ class Trainer(TrainerBase):
         """True once a batch is queued; False when the run drains with none left to queue.
         ``ClosedError`` on a stop request; a failure is raised as it came (``RunEnd``)."""
         need = self.consumed + 1
-        began = last_said = time.monotonic()
+        line = WaitLine(self.options.wait_log_s, self.ledger.producer_count, self.endpoint)
+        line.waiting()
         assert self._intake is not None
         while not self._intake.availability.wait_for(need, WAIT_SLICE_S):
             verdict = run_end.poll()
@@ -183,15 +185,7 @@ class Trainer(TrainerBase):
                 raise ClosedError("stop requested while waiting for data")
             if verdict.ending is Ending.DRAIN and self._intake.availability.enqueued < need:
                 return False
-            now = time.monotonic()
-            if now - last_said >= self.options.wait_log_s:
-                last_said = now
-                log.info(
-                    "waiting for data for %.0f s (%d producers seen, listening on %s)",
-                    now - began,
-                    self.ledger.producer_count(),
-                    self.endpoint,
-                )
+            line.waiting()
         return True
 
     def close(self) -> None:

@@ -22,8 +22,9 @@ watcher thread, ``stagefeed-fit-watch``, does what a callback cannot while ``fit
 a batch: it acts on the run's ``RunEnd`` verdict (``consumer.run_end``, the graph trainer's
 too). On a stop it sets ``model.stop_training`` and closes the queue (the waiting dequeue
 returns, the dataset ends); on a failure it fails the run the same way and ``train`` raises
-it; on a drain it closes the queue so the queued tail is trained and ``fit`` ends. It is
-joined with a timeout when ``fit`` returns.
+it; on a drain it closes the queue so the queued tail is trained and ``fit`` ends. While the
+queue stays empty it says so every ``wait_log_s`` (``consumer.wait_line``). It is joined with
+a timeout when ``fit`` returns.
 
 Figures: a record's ``wait_s`` is the dequeue wait of the batches its step trained (the books'
 ``input_wait``, docs/tf2.md "The stall figure"), at most the time since the previous step;
@@ -62,6 +63,7 @@ from stagefeed.consumer.keras_fit.resume_fit import (
 from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
 from stagefeed.consumer.tf2.served_feed import ServedFeed
 from stagefeed.consumer.trainer_base import StepObserver, StepRecord, TrainerBase
+from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +336,8 @@ class _Watch:
         self.trainer = trainer
         checks = [trainer.feed.check] + ([health] if health else [])
         self.run_end = RunEnd(stop, trainer.feed.intake.data_ended, checks)
+        self._line = WaitLine(trainer.options.wait_log_s, trainer.ledger.producer_count,
+                              trainer.endpoint)  # fmt: skip
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stagefeed-fit-watch", daemon=True)
 
@@ -346,6 +350,7 @@ class _Watch:
             while not self._done.wait(WATCH_S):
                 if self._act(self.run_end.poll()):
                     return
+                self._line.starved(self.trainer.steps_done, self.trainer.feed.queue.size())
         except Exception as exc:  # noqa: BLE001 - carried to train(), which raises it
             log.debug("fit watcher failed", exc_info=True)
             self.trainer.fail(exc)

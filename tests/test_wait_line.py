@@ -1,0 +1,54 @@
+"""The waiting line (consumer/wait_line.py): a trainer with no data says, every
+``wait_log_s`` (10 s), what it waits for and where; the Keras ``train`` (its fit watcher) as
+graph mode always did. The cluster's workers: tests/test_cluster_signals.py."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+from stagefeed.consumer.wait_line import WaitLine
+
+from tests.conftest import free_tcp_port, wait_for
+
+LINE = r"waiting for data for (\d+) s \((\d+) producers seen, listening on (\S+)\)"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_line_comes_every_interval_of_one_wait_and_counts_from_its_start(caplog):
+    clock = Clock()
+    line = WaitLine(10.0, lambda: 2, "tcp://127.0.0.1:5555", clock)
+    caplog.set_level(logging.INFO, "stagefeed.consumer.wait_line")
+    for now, steps, queued in [(100, 0, 0), (105, 0, 0), (110, 0, 0), (115, 0, 0), (120.5, 0, 0),
+                               (121, 1, 0), (130, 1, 0), (131.5, 1, 0), (132, 1, 3)]:  # fmt: skip
+        clock.now = now
+        line.starved(steps, queued)
+    said = [re.match(LINE, r.getMessage()).groups() for r in caplog.records]
+    # 10 s and 20 s into the first wait; a step ended at 121: the next wait counts from there,
+    # and says nothing before 10 s of it
+    assert said == [("10", "2", "tcp://127.0.0.1:5555"), ("20", "2", "tcp://127.0.0.1:5555")]
+
+
+@pytest.mark.slow
+def test_a_keras_train_with_no_producer_says_what_it_waits_for(start_cli):
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    trainer = start_cli(
+        ["train", "--schema", "tests.regression_models:SCHEMA",
+         "--model", "tests.regression_models:build", "--bind", endpoint, "--steps", "0"],
+        name="keras",
+    )  # fmt: skip
+    found = wait_for(lambda: len(re.findall(LINE, trainer.output())) >= 2, 180)
+    log = trainer.output()
+    assert found, log[-3000:]
+    first, second = re.findall(LINE, log)[:2]
+    assert first == ("10", "0", endpoint) and second == ("20", "0", endpoint), log[-3000:]
+    trainer.signal()
+    assert trainer.wait(60) == 0, trainer.output()[-3000:]
