@@ -367,7 +367,9 @@ class _Watch:
             trainer.feed.queue.close()
         elif verdict.ending is Ending.DRAIN:
             trainer.feed.queue.close()  # the queued tail is trained, then fit ends
-        return verdict.ending is not Ending.RUNNING
+        # A drain goes on watching: a stop or a failure while the tail trains still ends fit
+        # after the step in progress, not after the whole tail.
+        return verdict.ending in (Ending.STOP, Ending.FAIL)
 
     def close(self) -> None:
         self._done.set()

@@ -43,6 +43,7 @@ class UserProgram(Started):
 
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.log_path = log_path
+        self.env = env
         self._log = open(log_path, "w+")  # noqa: SIM115
         import subprocess
 
