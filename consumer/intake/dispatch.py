@@ -30,6 +30,7 @@ from stagefeed.common.curve import key_fingerprint
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.position import MAX_SEQ
 from stagefeed.common.schema import Schema, schema_difference
 from stagefeed.common.throttle import LogThrottle
 from stagefeed.consumer.intake.claims import Shards
@@ -98,7 +99,37 @@ class Dispatch:
     def handle(
         self, router: zmq.Socket, routing_id: bytes, frames: list[zmq.Frame], user_id: str | None
     ) -> None:
+        """Handle one decoded message; a check that fails raises ``ProtocolError`` (the intake
+        books and answers it). Any other exception is a defect met on this peer's message: it
+        is logged (throttled), booked as ``internal`` and answered (``_failed``), never silence
+        that leaves the producer waiting; the intake goes on."""
         header = protocol.decode_header(frames[0], protocol.FROM_PRODUCER)
+        try:
+            self._handle(router, routing_id, header, frames, user_id)
+        except ProtocolError:
+            raise
+        except Exception:  # noqa: BLE001 - one peer's message must not stop the intake
+            self._failed(router, routing_id, header)
+
+    def _failed(self, router: zmq.Socket, routing_id: bytes, header: dict) -> None:
+        """The handling of ``header`` raised: logged, booked as ``internal``, and told: a batch
+        ``dropped`` (``_on_batch`` returned its credit), any other message ``refused``."""
+        self.log_internal()
+        conn = self.conns.get(routing_id)
+        kind = header["t"]
+        if kind in ("batch", "shm_batch") and conn is not None:
+            self._refuse_batch(router, conn, header["seq"], DropReason.INTERNAL,
+                               "unexpected error")  # fmt: skip
+        else:
+            detail = f"the trainer failed while handling this {kind} (a defect, in its log)"
+            self._ledger.drop(DropReason.INTERNAL, detail, conn.index if conn else None)
+            self.reply(router, routing_id, "refused", reason=DropReason.INTERNAL.value,
+                       detail=detail)  # fmt: skip
+
+    def _handle(
+        self, router: zmq.Socket, routing_id: bytes, header: dict, frames: list[zmq.Frame],
+        user_id: str | None,
+    ) -> None:  # fmt: skip
         kind = header["t"]
         if kind == "hello":
             self._on_hello(router, routing_id, header, user_id)
@@ -255,17 +286,25 @@ class Dispatch:
         # From here the batch holds a credit: however its checks fail, the credit returns
         # and the producer gets a verdict.
         try:
-            batch = decode()
-            protocol.check_against_schema(batch, self.schema)
+            self._admit_batch(router, conn, header, decode)
         except ProtocolError as exc:
             self.conns.finished(conn.routing_id)
             self._refuse_batch(router, conn, seq, exc.reason, exc.detail)
-            return
         except Exception:  # noqa: BLE001 - a defect: logged, and the batch still answered
-            self.log_internal()
             self.conns.finished(conn.routing_id)
-            self._refuse_batch(router, conn, seq, DropReason.INTERNAL, "unexpected error")
-            return
+            raise  # handle() books it as internal and says ``dropped``
+
+    def _admit_batch(
+        self, router: zmq.Socket, conn, header: dict, decode: Callable[[], protocol.Batch]
+    ) -> None:
+        """A batch holding a credit: checked, then handed to the enqueue threads, or dropped
+        (its credit returned, the producer told). ``ProtocolError``: a failed check."""
+        seq = header["seq"]
+        batch = decode()
+        protocol.check_against_schema(batch, self.schema)
+        if conn.claim is not None and seq >= MAX_SEQ:
+            raise ProtocolError(DropReason.SEQ_RANGE, f"seq {seq} of shard {conn.claim[0]}: an "
+                                f"input position holds seqs below 2**53")  # fmt: skip
         why = self.shards.settle(conn)
         if why is not None:  # its hello's shard count is not the run's, settled since
             self.conns.finished(conn.routing_id)

@@ -19,11 +19,12 @@ it holds a credit). Control messages are answered at once, also while the queue 
 
 Errors: a message that fails a check is dropped, booked by reason, and its producer is told
 (``dropped`` for a batch, ``refused`` for a hello). Any other exception while handling one
-message is logged, booked as ``internal``, and the thread goes on; a batch still returns its
-credit and gets its ``dropped`` verdict then (``internal`` is a defect to fix: every check
-raises ``ProtocolError``). A failure of a thread itself (socket, TensorFlow) is
-carried to the train loop through ``check()``, which raises ``BrokenError``: never a silent
-exit.
+message is logged, booked as ``internal``, and the thread goes on; the peer is told (a batch
+returns its credit and gets its ``dropped`` verdict, any other message ``refused``:
+``Dispatch.handle``), so no producer waits for a reply that never comes (``internal`` is a
+defect to fix: every check raises ``ProtocolError``). A failure of a thread itself (socket,
+TensorFlow) is carried to the train loop through ``check()``, which raises ``BrokenError``:
+never a silent exit.
 """
 
 from __future__ import annotations

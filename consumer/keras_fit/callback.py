@@ -10,6 +10,12 @@ At the end of an epoch, a feed that is closed and drained sets ``model.stop_trai
 finite source or a shutdown ends ``fit`` after the epoch in which the data ran out, instead of
 running the remaining epochs on an ended dataset.
 
+At the start of ``fit`` it checks the model against the feed's dataset (``Feed.check_model``:
+compiled with a loss, the loss fits the labels' declared values, one step traced on the
+dataset's elements), so a model that cannot train on the feed fails with one
+``stagefeed.ConfigError`` line before any batch is taken, not TensorFlow's error at the first
+step.
+
 Epochs that are passes (a ``ServedFeed`` of a source with passes, ``fit`` given no
 ``steps_per_epoch``: ``Feed.fit_begins``): the step that trains the last batch of every
 shard's pass ends ``fit``'s epoch (``stop_training``), and the epoch's end lets ``fit`` go on
@@ -52,10 +58,11 @@ class FeedCallback(keras.callbacks.Callback):
     (share of the run's wall time the trained batches' dequeues blocked on an empty queue).
     """
 
-    def __init__(self, feed: Feed, prefix: str = "stagefeed_") -> None:
+    def __init__(self, feed: Feed, prefix: str = "stagefeed_", check_model: bool = True) -> None:
         super().__init__()
         self.feed = feed
         self.prefix = prefix
+        self.check_model = check_model  # False: the caller checked it (the CLI's trainer)
         self._first_step = 0
         # The books after the last step, taken once a step (a snapshot drains the dequeue log
         # and asks TensorFlow for the queue's size): callbacks after this one read it here.
@@ -64,6 +71,8 @@ class FeedCallback(keras.callbacks.Callback):
         self._cut = False  # the step just trained ended a pass: the epoch ends
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.check_model:  # before any batch: one ConfigError line, not TF's at step 1
+            self.feed.check_model(self.model)
         self.feed.books.begin()
         params = self.params or {}
         self._passes = self.feed.fit_begins(params.get("epochs", 1), params.get("steps"))

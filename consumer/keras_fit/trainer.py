@@ -182,7 +182,7 @@ class KerasTrainer(TrainerBase):
         assert self.feed is not None and self.model is not None
         iterations_before = int(self.model.optimizer.iterations)
         watch = _Watch(self, stop, health_check).start()
-        books = self.feed.callback()
+        books = self.feed.callback(check_model=False)  # checked at start (check_model)
         callbacks: list[keras.callbacks.Callback] = [books, _Steps(self, books)]
         if plan.first_epoch_steps:  # first: the feed's end of data may still stop fit
             callbacks.insert(0, EpochCut(plan.first_epoch_steps, self._go_on))

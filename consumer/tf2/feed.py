@@ -145,9 +145,11 @@ class Feed:
             raise ConfigError(f"no array {name!r:.40} in the schema {list(self.schema.names)}")
         return cast_layer(self.schema[name])
 
-    def callback(self, prefix: str = "stagefeed_") -> FeedCallback:
-        """A Keras callback booking each step and adding the feed's figures to the logs."""
-        return FeedCallback(self, prefix)
+    def callback(self, prefix: str = "stagefeed_", *, check_model: bool = True) -> FeedCallback:
+        """A Keras callback booking each step and adding the feed's figures to the logs; at
+        ``fit``'s start it runs ``check_model`` on the model (``check_model=False``: the
+        caller has checked it)."""
+        return FeedCallback(self, prefix, check_model)
 
     def figures(self) -> BooksFigures:
         """A snapshot of the books (exact when no dequeue is in progress)."""

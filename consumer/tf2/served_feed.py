@@ -27,12 +27,17 @@ the end of that epoch, a ``for`` loop over the dataset ends). A failed intake cl
 too and ``check()`` raises the failure. ``KerasTrainer`` watches its run itself
 (``end_watch=False``: it adds a stop event and the producers' health to the same rule).
 
+Ctrl-C: a feed made in the main thread of a program that leaves SIGINT to Python closes its
+queue on SIGINT (``consumer.tf2.feed_signals``), so a ``fit`` or a loop waiting in the dequeue
+returns and the user's ``KeyboardInterrupt`` is raised; SIGTERM keeps its default.
+
 Resume (docs/resume.md, "A custom loop"): ``ServedFeed(options, positions=True)`` books, per
 shard, the batches its steps trained (the steps booked with ``books.step_done()``, or by the
 Keras callback); ``position()``, read after the user saved their model, is what that model has
-trained. ``ServedFeed(options, resume=position)`` starts from it: a producer's welcome names
-the first batch its shard still owes (a seekable source starts there), and a batch of the
-position that comes again is dropped as ``already_trained``.
+trained. ``ServedFeed(options, resume=position)`` starts from it (a position of a finished
+run, every pass of ``options.epochs`` trained, is refused: ``ConfigError``): a producer's
+welcome names the first batch its shard still owes (a seekable source starts there), and a
+batch of the position that comes again is dropped as ``already_trained``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from stagefeed.consumer.memory import malloc_policy
 from stagefeed.consumer.run_end import Ending, RunEnd, finished_because
 from stagefeed.consumer.tf2 import pipeline
 from stagefeed.consumer.tf2.feed import Feed
+from stagefeed.consumer.tf2.feed_signals import SigintWake
 from stagefeed.consumer.tf2.pass_gate import PassGate
 
 log = logging.getLogger(__name__)
@@ -90,6 +96,8 @@ class ServedFeed(Feed):
                 raise ConfigError("resume/positions: the ledger given books positions already")
             if resume is not None and not isinstance(resume, InputPosition):
                 resume = InputPosition.from_dict(resume, "ServedFeed(resume=...)")
+            if resume is not None:
+                _refuse_finished(resume, options)
             self.ledger.shards = ShardBooks(resume, confirms=confirm_saves)
             if resume is not None:
                 log.info("the feed resumes from: %s", _describe(resume))
@@ -127,6 +135,9 @@ class ServedFeed(Feed):
                 target=self._watch_end, name="stagefeed-feed-end", daemon=True
             )
             self._watch.start()
+        # Ctrl-C while the dataset waits for data: the queue closes, KeyboardInterrupt follows.
+        self._sigint = SigintWake(self.queue.close)
+        self._sigint.start()
 
     def check(self) -> None:
         """Raise ``BrokenError`` if the intake failed (call between epochs or steps)."""
@@ -255,6 +266,19 @@ class ServedFeed(Feed):
         self.intake.stop_granting()
         super().close()
         self.intake.close()
+        self._sigint.close()  # last: it raises a KeyboardInterrupt still owed (feed_signals)
+
+
+def _refuse_finished(position: InputPosition, options: TrainerOptions) -> None:
+    """``ConfigError`` (one line) if ``position`` holds a finished run: every pass of
+    ``options.epochs`` trained (``run_end.finished_because``, the CLI's rule): resuming it
+    would train another pass."""
+    why = finished_because(step=0, planned_steps=0, planned_passes=options.epochs,
+                           position=position)  # fmt: skip
+    if why:
+        raise ConfigError(f"ServedFeed(resume=...): the position holds a finished run ({why}, "
+                          f"TrainerOptions(epochs={options.epochs})): nothing to resume; make "
+                          f"the feed without resume to train a new run")  # fmt: skip
 
 
 def _describe(position: InputPosition) -> str:

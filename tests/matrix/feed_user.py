@@ -6,7 +6,7 @@
 - ``loop``: a ``tf.function`` step counting rows; every ``CHECKPOINT_EVERY`` steps it saves the
   counts, then ``feed.position()`` (docs/resume.md, "A custom loop"), and tells the feed
   (``saved``); a later run resumes from them; at the end of the data it saves the final
-  position as finished.
+  position as finished; run again on it, the feed refuses it (one line, exit 2).
 - ``fit``: ``model.fit(feed.dataset(...), epochs=PASSES)`` with ``feed.callback()``; the counts
   are saved at the end (no position: a fit on a ServedFeed does not resume).
 Ctrl-C (KeyboardInterrupt) leaves the ``with`` block, which closes the feed; the program then
@@ -71,8 +71,13 @@ def loop(args) -> int:
         tf.numpy_function(data._sleep, [tf.constant(data._step_pause())], tf.float32)
 
     steps = 0
-    with stagefeed.ServedFeed(_options(args), resume=resume, positions=True,
-                              confirm_saves=True) as feed:  # fmt: skip
+    try:
+        feed = stagefeed.ServedFeed(_options(args), resume=resume, positions=True,
+                                    confirm_saves=True)  # fmt: skip
+    except stagefeed.ConfigError as exc:  # e.g. the saved position holds a finished run
+        log.error("%s", exc)
+        return 2
+    with feed:
         log.info("listening on %s", feed.endpoint)
         for batch in feed.dataset():
             step(batch)

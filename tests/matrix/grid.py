@@ -25,8 +25,8 @@ PROMISES: dict[str, str] = {
     "exactly_once": "a complete run trains every row exactly E times",
     "exactly_once_across_kill": "with --save (or a saved position), across SIGINT, SIGTERM "
     "and kill -9, every row is trained exactly E times",
-    "finished_refused": "a finished run, run again, trains nothing more (the CLI: refused in "
-    "one line, exit 2)",
+    "finished_refused": "a finished run, run again, trains nothing more (the CLI, and a loop's "
+    "ServedFeed resumed from its final position: refused in one line, exit 2)",
     "nothing_left": "after an end, a stop or a kill -9 and the next start: no process, socket "
     "file or shared-memory segment left",
     "bad_source": "a source that raises mid-run: the batches before it trained, the summary, "

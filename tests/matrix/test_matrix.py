@@ -178,19 +178,16 @@ def _check_length(run: PathRun, p: Promises, index: int) -> None:
 
 
 def _run_again(run: PathRun, p: Promises, counts) -> None:
-    """The finished run started again: refused (the CLI), or nothing trained (a loop)."""
+    """The finished run started again: refused in one line, exit 2 (the CLI, and a loop's
+    ServedFeed resumed from its final position)."""
     run.start("again")
     codes = run.wait_trainers()
     for index, code in enumerate(codes):
         log = run.log(index)
-        if run.column.path.startswith("feed_"):
-            p.check("finished_refused", code == 0, f"exit {code}\n{_tail(log)}")
-            p.check("finished_refused", "data ended: 0 steps" in log, _tail(log))
-        else:
-            last = [line for line in log.strip().splitlines() if line][-1:]
-            p.check("finished_refused", code == 2 and "finished" in "".join(last),
-                    f"worker {index}: exit {code}, last line {last}\n{_tail(log)}")
-            p.check("finished_refused", "Traceback" not in log, _tail(log))
+        last = [line for line in log.strip().splitlines() if line][-1:]
+        p.check("finished_refused", code == 2 and "finished" in "".join(last),
+                f"worker {index}: exit {code}, last line {last}\n{_tail(log)}")
+        p.check("finished_refused", "Traceback" not in log, _tail(log))
     if counts is not None:
         again = run.counts()
         p.check("finished_refused", (again == counts).all(), "the counts changed")
