@@ -122,8 +122,11 @@ def test_a_loop_resumed_from_a_finished_position_is_refused_in_one_line(user, tm
     save.mkdir()
     final = {"version": 1, "shards": 1, "approximate": [],
              "streams": {"0": {"next": 10, "above": [], "end": 10, "passes": [5, 10]}}}
-    (save / "position.json").write_text(json.dumps(final))
-    np.save(save / "counts.npy", np.zeros(data.ROWS, np.float32))
+    # The program's checkpoint (tests/matrix/feed_user.py): the counts file it names, then
+    # the position.
+    np.save(save / "counts-1-10.npy", np.zeros(data.ROWS, np.float32))
+    (save / "position.json").write_text(json.dumps({"counts": "counts-1-10.npy",
+                                                    "position": final}))
     assert data.PASSES == 2
     program = user("--mode", "loop")
     try:

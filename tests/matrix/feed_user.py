@@ -39,10 +39,16 @@ def _write(path: str, write) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _checkpoint(save: str, counts: np.ndarray, position: stagefeed.InputPosition) -> None:
-    _write(os.path.join(save, "counts.npy"), lambda f: np.save(f, counts))
-    body = json.dumps(position.to_dict()).encode()
+def _checkpoint(save: str, counts: np.ndarray, position: stagefeed.InputPosition,
+                step: int) -> None:  # fmt: skip
+    """The model first, in a file of its own, then the checkpoint naming it with the position
+    (as the CLI's state files do): a kill between the two leaves the previous checkpoint whole.
+    ``counts.npy`` is the newest model, for the test to read."""
+    name = f"counts-{os.getpid()}-{step}.npy"  # never a file an earlier checkpoint names
+    _write(os.path.join(save, name), lambda f: np.save(f, counts))
+    body = json.dumps({"counts": name, "position": position.to_dict()}).encode()
     _write(os.path.join(save, "position.json"), lambda f: f.write(body))
+    _write(os.path.join(save, "counts.npy"), lambda f: np.save(f, counts))
 
 
 def _options(args) -> stagefeed.TrainerOptions:
@@ -61,8 +67,9 @@ def loop(args) -> int:
     counts = tf.Variable(tf.zeros([data.ROWS]))
     if os.path.exists(saved):
         with open(saved) as f:
-            resume = stagefeed.InputPosition.from_dict(json.load(f), saved)
-        counts.assign(np.load(os.path.join(args.save, "counts.npy")))
+            checkpoint = json.load(f)
+        resume = stagefeed.InputPosition.from_dict(checkpoint["position"], saved)
+        counts.assign(np.load(os.path.join(args.save, checkpoint["counts"])))
         log.info("resuming from %s", saved)
 
     @tf.function
@@ -85,12 +92,12 @@ def loop(args) -> int:
             steps += 1
             if steps % CHECKPOINT_EVERY == 0:
                 position = feed.position()
-                _checkpoint(args.save, counts.numpy(), position)
+                _checkpoint(args.save, counts.numpy(), position, steps)
                 feed.saved(position)
                 log.info("step %d: checkpoint", steps)
         feed.check()
         final = feed.position()
-        _checkpoint(args.save, counts.numpy(), final)
+        _checkpoint(args.save, counts.numpy(), final, steps)
         feed.saved(final, finished=True)
         log.info("data ended: %d steps trained in this run", steps)
         log.info("%s", feed.ledger.summary())
