@@ -119,3 +119,16 @@ def test_a_missing_path_an_empty_folder_or_a_missing_column_fails_at_start(tmp_p
     for args, message in cases:
         line = one_line(run_cli(args, timeout=60))
         assert line.startswith("stagefeed: error: ") and message in line, (args, line)
+
+
+def test_produce_feeds_a_hugging_face_dataset_named_from_a_user_module(tmp_path):
+    pytest.importorskip("datasets")
+    schema = Schema((ArraySpec("id", "int64"), ArraySpec("x", "float32", (2,))), batch_size=4)
+    ids: list[int] = []
+    with StandInTrainer(schema, regrant=True,
+                        inspect=lambda seq, a: ids.extend(a["id"].tolist())) as trainer:
+        done = produce(trainer.endpoint, "tests.data_user:train", "--workers", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert len(trainer.received) == 7  # 30 rows: 7 batches of 4, 2 rows left out
+    assert len(ids) == len(set(ids)) == 28 and set(ids) <= set(range(30))
+    assert "TensorFlow version" not in done.stderr  # datasets left TensorFlow out (USE_TF=0)
