@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from stagefeed.common.data_ref import DataRef
 from stagefeed.common.errors import ConfigError
@@ -27,7 +29,8 @@ def record_fields(
     records: Records, seed: int = 0, transform: str | None = None
 ) -> dict[str, Field]:
     """The fields of ``records``, or of what ``transform`` makes of record 0 (a field that
-    keeps its name, dtype and shape keeps what the reader knew of it: bounds, cast)."""
+    keeps its name and dtype keeps what the reader knew of it, bounds and cast, at the shape
+    the transform made: a crop of ``images`` is still cast and scaled on the device)."""
     fields = records.fields()
     if transform is None:
         return fields
@@ -46,6 +49,6 @@ def record_fields(
     for name, value in made.items():
         field = field_of(np.asarray(value), f"--transform {transform}: {name}")
         known = fields.get(name)
-        same = known is not None and (known.dtype, known.shape) == (field.dtype, field.shape)
-        derived[name] = known if same else field
+        same = known is not None and known.dtype == field.dtype
+        derived[name] = dataclasses.replace(known, shape=field.shape) if same else field
     return derived
