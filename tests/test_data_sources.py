@@ -178,3 +178,18 @@ def test_a_hugging_face_dataset_is_records():
     assert records.fields() == {"x": Field("float32", (2,)), "y": Field("int64", ())}
     assert records.record(3)["x"].tolist() == [6.0, 7.0]
     assert records.record(3)["t"] == "d"  # a transform sees every column
+
+
+def test_the_schema_derived_through_a_transform_keeps_the_readers_bounds_and_cast(tmp_path):
+    from stagefeed.common.data_ref import parse_data_ref
+    from stagefeed.producer.data.derive import derive_schema
+
+    make_images(tmp_path, size=(12, 16))
+    ref = parse_data_ref(f"images:{tmp_path}")
+    schema = derive_schema(ref, 4, seed=1, transform="tests.data_transforms:crop")
+    images, labels = schema.arrays
+    assert (images.dtype, images.shape, images.cast, images.scale) == (
+        "uint8", (8, 8, 3), "float32", 1 / 255
+    )
+    assert (labels.dtype, labels.bounds) == ("int32", (0, 2))
+    assert derive_schema(ref, 4, image_size=(20, 20)).arrays[0].shape == (20, 20, 3)
