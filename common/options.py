@@ -12,6 +12,7 @@ import os
 import re
 
 from stagefeed.common import endpoints
+from stagefeed.common.data_ref import DATA_KINDS, ON_BAD_RECORD, parse_data_ref
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.position import MAX_SHARDS
 from stagefeed.common.protocol import MAX_HEADER_BYTES as HEADER
@@ -149,6 +150,11 @@ class ProducerOptions:
     short_batch: str = "refuse"
     heartbeat_timeout_s: float = 0.0  # 0: derived from the batch size (common/liveness.py)
     shard_group: tuple[int, int] = (0, 1)  # (G, K): group G of K (``--shard-group G/K``)
+    # The built-in data sources' (``source`` ``KIND:PATH``, docs/data.md): shuffle each
+    # epoch from ``seed``, a ``module:function`` per record, what a bad record does.
+    shuffle: bool = True
+    transform: str | None = None
+    on_bad_record: str = "fail"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connect", check_endpoints("connect", self.connect))
@@ -163,8 +169,15 @@ class ProducerOptions:
         check_number("rate", self.rate, zero_ok=True)
         check_number("max_batches", self.max_batches, zero_ok=True, integer=True)
         check_number("seed", self.seed, zero_ok=True, integer=True)
-        if self.source != "synthetic" and not re.fullmatch(r"[\w.]+:\w+", self.source):
-            raise ConfigError(f"source must be 'synthetic' or module:function, got {self.source!r}")
+        data = parse_data_ref(self.source) if isinstance(self.source, str) else None
+        if data is None and self.source != "synthetic" and not re.fullmatch(
+            r"[\w.]+:\w+", self.source
+        ):
+            raise ConfigError(
+                f"source must be 'synthetic', module:function or {'|'.join(DATA_KINDS)}:PATH, "
+                f"got {self.source!r}"
+            )
+        _check_data_flags(self, data is not None)
         if self.short_batch not in SHORT_BATCH:
             raise ConfigError(
                 f"short_batch must be one of {', '.join(SHORT_BATCH)}, got {self.short_batch!r}"
@@ -173,6 +186,23 @@ class ProducerOptions:
     def max_unsent(self, schema: Schema) -> int:
         """Batches of ``schema`` a producer may have handed over and not yet seen released."""
         return min(MAX_UNSENT, max(1, int(self.inflight_mb * MIB) // schema.batch_bytes))
+
+
+def _check_data_flags(options: ProducerOptions, data: bool) -> None:
+    """The built-in data sources' options: valid, and given only with one of them."""
+    if options.on_bad_record not in ON_BAD_RECORD:
+        raise ConfigError(f"on_bad_record must be one of {', '.join(ON_BAD_RECORD)}, "
+                          f"got {options.on_bad_record!r}")  # fmt: skip
+    if not isinstance(options.shuffle, bool):
+        raise ConfigError(f"shuffle must be True or False, got {options.shuffle!r}")
+    if options.transform is not None and not re.fullmatch(r"[\w.]+:\w+", options.transform):
+        raise ConfigError(f"transform must be module:function, got {options.transform!r}")
+    if not data and (options.transform is not None or options.on_bad_record != "fail"
+                     or not options.shuffle):  # fmt: skip
+        raise ConfigError(
+            f"--transform, --on-bad-record and --no-shuffle go with a built-in data source "
+            f"({'|'.join(DATA_KINDS)}:PATH), not --source {options.source}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -177,7 +177,9 @@ def produce(
     finish first: the ``k`` batches before the failure are delivered, then ``end`` tells the
     trainer ``source_error`` and the error's text; then the source's error is raised.
     """
-    factory = resolve_source(options.source)
+    from stagefeed.producer.data.named import data_source  # numpy only until it reads
+
+    factory = data_source(options) or resolve_source(options.source)
     if is_passing(factory) and len(options.connect) > 1:
         raise ConfigError(f"--source {options.source}: a source with passes feeds one trainer, "
                           f"not {len(options.connect)}")  # fmt: skip
@@ -223,7 +225,8 @@ def _produce_once(
             rewound = True
             raise
         try:
-            outcome.bye = _finish(channel, name, outcome, stop, failure)
+            note = getattr(factory, "report", lambda: "")()  # a data source's skipped records
+            outcome.bye = _finish(channel, name, outcome, stop, failure, note)
             finished = True
             if failure is None and channel.repositioned is not None:
                 # A trainer that came back while we finished: what it lost is sent again.
@@ -259,6 +262,7 @@ def _finish(
     outcome: Outcome,
     stop: Any,
     failure: ConfigError | BrokenError | None = None,
+    note: str = "",
 ) -> str | None:
     """Deliver what is held, then ``end`` (with ``source_error`` and the text of ``failure``
     if the source failed), then let ZeroMQ deliver for what is left of ``FLUSH_TIMEOUT_S``.
@@ -272,13 +276,13 @@ def _finish(
     linger_s = max(0.0, FLUSH_TIMEOUT_S - (time.monotonic() - started))
     refused = sum(channel.refused().values())
     log.log(
-        logging.WARNING if refused or failure else logging.INFO,
+        logging.WARNING if refused or failure or note else logging.INFO,
         "producer %s %s: %d batches (%s); %s; delivering the last %d (up to %.0f s)",
         name,
         "finished" if failure is None else "source failed, ending",
         outcome.sent,
         _seq_range(outcome.sent, outcome.next_seq),
-        _refused_text(channel),
+        _refused_text(channel) + (f"; {note}" if note else ""),
         channel.in_zeromq(),
         linger_s,
     )

@@ -6,7 +6,9 @@ this package without TensorFlow: ``Producers`` and ``WorkerBook`` (producer proc
 input position a custom loop saves and resumes from (``InputPosition``, docs/resume.md) and the
 trainer-side names (``Feed``, ``ServedFeed``, ``BooksFigures``, ``TrainedStep``, ``Trainer``,
 ``KerasTrainer``, ``ClusterTrainer``, ``StepRecord``, ``StepObserver``, ``cast_layer`` and
-``keep_freed_memory``) are loaded on first use (PEP 562); of those only ``Feed``,
+``keep_freed_memory``), and the built-in data sources (``MapSource`` over ``ArrayRecords``,
+``open_npy``, ``open_npz``, ``ImageFolder``, ``ParquetRecords``, ``HFRecords``: docs/data.md)
+are loaded on first use (PEP 562); of those only ``Feed``,
 ``ServedFeed``, ``BooksFigures``, ``TrainedStep``, ``Trainer``, ``KerasTrainer``,
 ``ClusterTrainer`` and ``cast_layer`` import TensorFlow.
 
@@ -43,6 +45,14 @@ __version__ = "0.2.0"
 
 # Trainer-side names: imported (with TensorFlow) only when first used.
 _LAZY = {
+    # The built-in data sources (docs/data.md): no TensorFlow; their readers' extras on use.
+    "ArrayRecords": "stagefeed.producer.data.arrays",
+    "HFRecords": "stagefeed.producer.data.hf",
+    "ImageFolder": "stagefeed.producer.data.images",
+    "MapSource": "stagefeed.producer.data.source",
+    "ParquetRecords": "stagefeed.producer.data.parquet",
+    "open_npy": "stagefeed.producer.data.arrays",
+    "open_npz": "stagefeed.producer.data.npz",
     "BooksFigures": "stagefeed.consumer.tf2.step_books",
     "ClusterTrainer": "stagefeed.consumer.cluster.trainer",
     "Feed": "stagefeed.consumer.tf2.feed",
@@ -66,6 +76,7 @@ _WITH_TENSORFLOW = {
 }  # fmt: skip
 
 __all__ = [
+    "ArrayRecords",
     "ArraySpec",
     "BooksFigures",
     "BrokenError",
@@ -75,9 +86,13 @@ __all__ = [
     "DEFAULT_SCHEMA",
     "DropReason",
     "Feed",
+    "HFRecords",
+    "ImageFolder",
     "InputPosition",
     "KerasTrainer",
+    "MapSource",
     "NonFiniteLoss",
+    "ParquetRecords",
     "ProducerOptions",
     "Producers",
     "ProtocolError",
@@ -98,6 +113,8 @@ __all__ = [
     "keep_freed_memory",
     "keras_model",
     "load_schema",
+    "open_npy",
+    "open_npz",
 ]
 assert __all__ == sorted(__all__), "keep __all__ sorted"
 

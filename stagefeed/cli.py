@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from stagefeed import __version__, envflags
+from stagefeed import __version__, data_flags, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
@@ -51,6 +51,8 @@ def add_schema_flags(p: argparse.ArgumentParser, batch_size: int) -> None:
 def schema_from(args: argparse.Namespace, required: bool = True) -> Schema | None:
     """The schema the flags describe; None for a producer given none (it adopts the trainer's)."""
     image_flags = [f for f in IMAGE_FLAGS if getattr(args, f) is not None]
+    if args.schema is None and data_flags.is_data(args):
+        return data_flags.data_schema(args, required)
     if args.schema is not None:
         if image_flags:
             flag = "--" + image_flags[0].replace("_", "-")
@@ -178,7 +180,7 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
 def producer_options(
     args: argparse.Namespace, connect: str | tuple[str, ...], workers: int
 ) -> ProducerOptions:
-    return ProducerOptions(
+    options = ProducerOptions(
         connect=connect,
         heartbeat_timeout_s=getattr(args, "heartbeat_timeout_s", 0.0),  # produce's flag
         shard_group=getattr(args, "shard_group", (0, 1)),  # produce's flag
@@ -192,7 +194,12 @@ def producer_options(
         seed=args.seed,
         curve_keys=args.curve_keys,
         transport=args.transport,
+        shuffle=args.shuffle,
+        transform=args.transform,
+        on_bad_record=args.on_bad_record,
     )
+    data_flags.check_source(options)  # a built-in data source opens at start
+    return options
 
 
 def _steps(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from stagefeed.common import tf_config
 from stagefeed.common.endpoints import MAX_PORT
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import SHORT_BATCH, check_endpoints
+from stagefeed.data_flags import add_data_flags
 
 DEFAULT = "tcp://127.0.0.1:5555"
 CONNECT_ENV = envflags.env_name("--connect")
@@ -32,7 +33,11 @@ TF_CONFIG_ENV = envflags.env_name("--connect-tf-config")
 
 def add_producer_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("producer")
-    envflags.add(g, "--source", default="synthetic", help="'synthetic' or module:function")
+    envflags.add(
+        g, "--source", default="synthetic",
+        help="'synthetic', module:function, or data: npy:PATH[,PATH], npz:PATH, images:DIR, "
+        "parquet:PATH[,PATH] (docs/data.md)",
+    )  # fmt: skip
     envflags.add(g, "--inflight-mb", type=float, default=512.0, help="unsent bytes per producer")
     envflags.add(g, "--rate", type=float, default=0.0, help="batches/s per producer (0: no limit)")
     envflags.add(g, "--max-batches", type=int, default=0, help="batches per producer (0: no limit)")
@@ -41,7 +46,11 @@ def add_producer_flags(p: argparse.ArgumentParser) -> None:
         help="a source's batch with fewer rows than --batch-size: refuse it (exit 2) or drop "
         "it (counted and logged; like tf.data's drop_remainder)",
     )  # fmt: skip
-    envflags.add(g, "--seed", type=int, default=0, help="RNG seed of the synthetic source")
+    envflags.add(
+        g, "--seed", type=int, default=0,
+        help="RNG seed of the synthetic source, or of a data source's order and transform",
+    )  # fmt: skip
+    add_data_flags(g)
 
 
 def add_shard_group_flag(p: argparse.ArgumentParser) -> None:
