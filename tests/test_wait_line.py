@@ -52,3 +52,24 @@ def test_a_keras_train_with_no_producer_says_what_it_waits_for(start_cli):
     assert first == ("10", "0", endpoint) and second == ("20", "0", endpoint), log[-3000:]
     trainer.signal()
     assert trainer.wait(60) == 0, trainer.output()[-3000:]
+
+
+@pytest.mark.slow
+def test_a_served_feed_with_no_producer_says_what_it_waits_for(caplog):
+    """The Python API's feed is not silent either: its watcher says the line while nothing
+    arrives (before: a user's program waiting for producers logged nothing)."""
+    from stagefeed import ServedFeed, TrainerOptions
+    from stagefeed.common.schema import image_schema
+
+    options = TrainerOptions(bind=f"tcp://127.0.0.1:{free_tcp_port()}",
+                             schema=image_schema(batch_size=2), wait_log_s=0.5)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="stagefeed.consumer.wait_line"), \
+            ServedFeed(options) as feed:  # fmt: skip
+        said = wait_for(lambda: len(_lines(caplog)) >= 2, 20)
+        endpoint = feed.endpoint
+    assert said, caplog.text
+    assert f"(0 producers seen, listening on {endpoint})" in _lines(caplog)[-1]
+
+
+def _lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "waiting for data" in r.getMessage()]

@@ -61,6 +61,7 @@ from stagefeed.consumer.tf2 import pipeline
 from stagefeed.consumer.tf2.feed import Feed
 from stagefeed.consumer.tf2.feed_signals import SigintWake
 from stagefeed.consumer.tf2.pass_gate import PassGate
+from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,11 @@ class ServedFeed(Feed):
         return self.ledger.name(peer)
 
     def _watch_end(self) -> None:
+        # While nothing arrives and the queue is empty, the user's program waits for data: say
+        # so every wait_log_s, as the CLI's trainers do (a feed with no producer is not silent).
+        line = WaitLine(self.options.wait_log_s, self.ledger.producer_count, self.endpoint)
         while not self._stop.wait(WATCH_S):
+            line.starved(self.ledger.totals().received, self.queue.size())
             verdict = self.run_end.poll()
             if verdict.ending is Ending.DRAIN:
                 log.info("%s: the dataset ends once the queue is drained", verdict.reason)
