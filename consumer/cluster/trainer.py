@@ -62,7 +62,16 @@ JOIN_TIMEOUT_S = 5.0
 class ClusterTrainer(KerasTrainer):
     """A Keras model trained as one worker of the ``TF_CONFIG`` cluster; what it shares with
     ``KerasTrainer`` (the model's build and check, the feed, checkpoints, ``close``) it
-    inherits, and it trains with the cluster loop instead of ``fit``."""
+    inherits, and it trains with the cluster loop instead of ``fit``.
+
+    The strategy's input iterator is kept for the life of the trainer: TensorFlow 2.21 deletes
+    its per-device iterators only once tf.data's autotune thread wakes from a sleep that
+    doubles up to 60 s (``RootDataset::Iterator`` waits for ``Model::OptimizeLoop``; the
+    per-device datasets ``MultiDeviceIterator`` builds take no options of ours, and the
+    strategy has no input mode without them). ``stagefeed train`` ends the process without
+    deleting it (``exit_without_teardown``); a process that drops the trainer waits there."""
+
+    exit_without_teardown = True
 
     def __init__(
         self,
@@ -76,6 +85,7 @@ class ClusterTrainer(KerasTrainer):
         self._wait_s = 0.0
         self._last_end = 0.0
         self.cluster_totals: dict[str, int] | None = None  # after train(): every worker's books
+        self._iterator: Any = None  # kept: see the class docstring
 
     def start(self) -> ClusterTrainer:
         plan = self.build_and_bind(self.cluster.strategy)
@@ -130,8 +140,9 @@ class ClusterTrainer(KerasTrainer):
         self._last_end = time.monotonic()
         try:
             total = self.options.total_steps
+            self._iterator = iter(self._dataset)
             end = loop.train(
-                self.cluster.strategy, self.model, iter(self._dataset),
+                self.cluster.strategy, self.model, self._iterator,
                 steps=total - self.step_base if total else 0,
                 local=lambda: vote_for(run_end.poll()),
                 after_step=self._after_step,
