@@ -40,6 +40,7 @@ from typing import Any
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.cluster import loop
 from stagefeed.consumer.cluster.collective_stop import vote_for
@@ -125,8 +126,11 @@ class ClusterTrainer(KerasTrainer):
 
     def train(self, stop: threading.Event, health_check: Callable[[], None] | None = None) -> None:
         """Train until the cluster's vote ends the run. Raises this worker's own failure
-        (``BrokenError``, a producer's ``ConfigError``, ``NonFiniteLoss``), or ``BrokenError``
-        for another worker's failure or a broken cluster."""
+        (``BrokenError``, a producer's ``ConfigError``, ``NonFiniteLoss``), ``BrokenError``
+        for another worker's failure or a broken cluster, and for a step that raised
+        (``model_ref.step_failed``: one line naming the model; the same model fails the same
+        step on every worker, and a worker left waiting in a collective finds the cluster
+        broken once this one's process ended)."""
         assert self.feed is not None and self.model is not None
         feed = self.feed
         checks = [feed.check] + ([health_check] if health_check else [])
@@ -148,6 +152,9 @@ class ClusterTrainer(KerasTrainer):
                 after_step=self._after_step,
                 first_step=self.step_base + 1,
             )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the model's or TensorFlow's error in the step
+            log.debug("the cluster's loop raised", exc_info=True)
+            raise model_ref.step_failed(self.options.model, exc) from None
         finally:
             watch_done.set()
             join_threads([watcher], JOIN_TIMEOUT_S)
