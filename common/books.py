@@ -46,6 +46,7 @@ class Books:
     peer_events: Mapping[str, int] = dataclasses.field(default_factory=dict)
     refused: Mapping[str, int] = dataclasses.field(default_factory=dict)  # hellos, by reason
     ended: Mapping[str, int] = dataclasses.field(default_factory=dict)  # producers' ends, by reason
+    receiving_s: float = 0.0  # from the first valid batch received (any connection) to the last
 
     @property
     def delivering(self) -> int:

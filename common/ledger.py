@@ -54,7 +54,8 @@ class ProducerStats:
     key: str = ""  # in the summary and the metrics: fixed at open, unique among open entries
     session: str | None = None  # the producer run's secret token: links its connections
     shard: int | None = None  # the stream it says it carries (resume; common.shard_books)
-    last_seen: float = 0.0
+    last_seen: float = 0.0  # its last valid batch
+    first_batch_at: float | None = None  # its first valid batch
     received: int = 0
     received_bytes: int = 0
     enqueued: int = 0
@@ -164,6 +165,8 @@ class Ledger:
                 stats.received += 1
                 stats.received_bytes += nbytes
                 stats.last_seen = now
+                if stats.first_batch_at is None:
+                    stats.first_batch_at = now
                 return None
             else:
                 reason = DropReason.DUPLICATE
@@ -312,7 +315,15 @@ class Ledger:
                 peer_events=dict(self._peer_events),
                 refused=self._refusals_by_reason(),
                 ended=dict(self._ended),
+                receiving_s=self._receiving_s(),
             )
+
+    def _receiving_s(self) -> float:
+        """Lock held: seconds from the first valid batch of any connection to the last."""
+        firsts = [s.first_batch_at for s in self._entries.values() if s.first_batch_at is not None]
+        if not firsts:
+            return 0.0
+        return max(s.last_seen for s in self._entries.values() if s.received) - min(firsts)
 
     def drops_by_reason(self) -> dict[str, int]:
         with self._lock:

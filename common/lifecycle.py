@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,14 @@ def exit_if_threads_left(code: int, timeout_s: float) -> None:
     if not left or not join_threads(left, timeout_s):
         return
     log.error("exiting with threads still running (see above)")
+    end_process(code)
+
+
+def end_process(code: int) -> NoReturn:
+    """End the process with ``code`` now, once the log handlers, stdout and stderr are
+    flushed: no interpreter teardown (atexit, destructors, threads still running)."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

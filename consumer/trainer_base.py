@@ -57,6 +57,11 @@ class TrainerBase:
     subclass once it has started one (transport and shared-memory figures come from it).
     """
 
+    # True: what the trainer holds must not be torn down in the process (the cluster worker's
+    # input iterator, whose deletion waits for tf.data's autotune thread, up to 60 s): the CLI
+    # ends the process once the summary is out (``lifecycle.end_process``).
+    exit_without_teardown = False
+
     def __init__(
         self,
         options: TrainerOptions,

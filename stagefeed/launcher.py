@@ -31,7 +31,7 @@ from stagefeed.common.errors import (
     StagefeedError,
 )
 from stagefeed.common.ipc_file import sweep_leftovers
-from stagefeed.common.lifecycle import Shutdown, exit_if_threads_left
+from stagefeed.common.lifecycle import Shutdown, end_process, exit_if_threads_left
 from stagefeed.common.options import ObserveOptions, ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
 from stagefeed.common.tf_config import apply_indexed_job
@@ -221,6 +221,8 @@ def train(
         _close(shutdown, monitor, trainer)
     code = _finish(trainer, started, shutdown, json_path, monitor.final, failure)
     exit_if_threads_left(code, shutdown.grace(LEFTOVER_THREADS_S))
+    if trainer.exit_without_teardown:
+        end_process(code)
     return code
 
 

@@ -40,6 +40,7 @@ from typing import Any
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.cluster import loop
 from stagefeed.consumer.cluster.collective_stop import vote_for
@@ -62,7 +63,16 @@ JOIN_TIMEOUT_S = 5.0
 class ClusterTrainer(KerasTrainer):
     """A Keras model trained as one worker of the ``TF_CONFIG`` cluster; what it shares with
     ``KerasTrainer`` (the model's build and check, the feed, checkpoints, ``close``) it
-    inherits, and it trains with the cluster loop instead of ``fit``."""
+    inherits, and it trains with the cluster loop instead of ``fit``.
+
+    The strategy's input iterator is kept for the life of the trainer: TensorFlow 2.21 deletes
+    its per-device iterators only once tf.data's autotune thread wakes from a sleep that
+    doubles up to 60 s (``RootDataset::Iterator`` waits for ``Model::OptimizeLoop``; the
+    per-device datasets ``MultiDeviceIterator`` builds take no options of ours, and the
+    strategy has no input mode without them). ``stagefeed train`` ends the process without
+    deleting it (``exit_without_teardown``); a process that drops the trainer waits there."""
+
+    exit_without_teardown = True
 
     def __init__(
         self,
@@ -76,6 +86,7 @@ class ClusterTrainer(KerasTrainer):
         self._wait_s = 0.0
         self._last_end = 0.0
         self.cluster_totals: dict[str, int] | None = None  # after train(): every worker's books
+        self._iterator: Any = None  # kept: see the class docstring
 
     def start(self) -> ClusterTrainer:
         plan = self.build_and_bind(self.cluster.strategy)
@@ -115,8 +126,11 @@ class ClusterTrainer(KerasTrainer):
 
     def train(self, stop: threading.Event, health_check: Callable[[], None] | None = None) -> None:
         """Train until the cluster's vote ends the run. Raises this worker's own failure
-        (``BrokenError``, a producer's ``ConfigError``, ``NonFiniteLoss``), or ``BrokenError``
-        for another worker's failure or a broken cluster."""
+        (``BrokenError``, a producer's ``ConfigError``, ``NonFiniteLoss``), ``BrokenError``
+        for another worker's failure or a broken cluster, and for a step that raised
+        (``model_ref.step_failed``: one line naming the model; the same model fails the same
+        step on every worker, and a worker left waiting in a collective finds the cluster
+        broken once this one's process ended)."""
         assert self.feed is not None and self.model is not None
         feed = self.feed
         checks = [feed.check] + ([health_check] if health_check else [])
@@ -130,13 +144,17 @@ class ClusterTrainer(KerasTrainer):
         self._last_end = time.monotonic()
         try:
             total = self.options.total_steps
+            self._iterator = iter(self._dataset)
             end = loop.train(
-                self.cluster.strategy, self.model, iter(self._dataset),
+                self.cluster.strategy, self.model, self._iterator,
                 steps=total - self.step_base if total else 0,
                 local=lambda: vote_for(run_end.poll()),
                 after_step=self._after_step,
                 first_step=self.step_base + 1,
             )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the model's or TensorFlow's error in the step
+            log.debug("the cluster's loop raised", exc_info=True)
+            raise model_ref.step_failed(self.options.model, exc) from None
         finally:
             watch_done.set()
             join_threads([watcher], JOIN_TIMEOUT_S)

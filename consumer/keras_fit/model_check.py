@@ -31,8 +31,10 @@ same ends the run like any other failure (``model_ref.step_failed``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -144,16 +146,16 @@ def _dtype(tensor: Any) -> str:
 def check_step(ref: str, model: keras.Model, plan: KerasPlan, strategy: Any = None) -> None:
     """``ConfigError`` naming the model if its compiled loss cannot take the targets' declared
     values, or if one training step on the schema's batch shapes cannot be traced (forward
-    pass and loss; nothing runs, no weight or counter moves). Under a ``strategy`` only the
-    first check: the step is the strategy's, traced per replica by the cluster's loop."""
+    pass and loss; nothing runs, no weight or counter moves). Under a ``strategy`` (a cluster
+    worker's model, built in its scope) the step is traced in ``strategy.run``, as the
+    cluster's step runs it: one replica's batch is the schema's, and a trace runs no
+    collective (every worker traces the same, in the same order)."""
 
     def refuse(why: str) -> ConfigError:
         return ConfigError(f"--model {ref!r}: {why}")
 
     schema = plan.schema
     _check_targets(refuse, model, [schema[t] for t in plan.targets])
-    if strategy is not None:
-        return
     wire = {
         spec.name: tf.TensorSpec(schema.batch_shape(spec), spec.dtype, name=spec.name)
         for spec in schema.arrays
@@ -164,7 +166,7 @@ def check_step(ref: str, model: keras.Model, plan: KerasPlan, strategy: Any = No
         x, y = element(batch)
         return x, y, None
 
-    _trace(refuse, model, split, wire, "the schema's batch")
+    _trace(refuse, model, split, wire, "the schema's batch", strategy)
 
 
 def check_fit(model: Any, element_spec: Any, targets: Sequence[ArraySpec] | None = None) -> None:
@@ -190,21 +192,40 @@ def check_fit(model: Any, element_spec: Any, targets: Sequence[ArraySpec] | None
 
 def _trace(
     refuse: Callable[[str], ConfigError], model: keras.Model,
-    split: Callable[[Any], tuple[Any, Any, Any]], specs: Any, what: str,
+    split: Callable[[Any], tuple[Any, Any, Any]], specs: Any, what: str, strategy: Any = None,
 ) -> None:  # fmt: skip
     """Trace, not run, the forward pass and loss of one training step on ``specs`` (``what``
-    they are); ``split`` makes an element ``(x, y, sample_weight)``."""
+    they are); ``split`` makes an element ``(x, y, sample_weight)``. With a ``strategy``, in
+    its replica context (``strategy.run``)."""
 
     def step(element: Any) -> Any:
         x, y, weights = split(element)
         y_pred = model(x, training=True)
         return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weights)
 
+    traced = step if strategy is None else lambda element: strategy.run(step, args=(element,))
     try:
-        with keras.StatelessScope():  # what the step would assign is kept apart, not applied
-            tf.function(step, autograph=False).get_concrete_function(specs)
+        # What the step would assign is kept apart, not applied; the error is said below.
+        with keras.StatelessScope(), _without_coordinator_report():
+            tf.function(traced, autograph=False).get_concrete_function(specs)
     except Exception as exc:  # noqa: BLE001 - the user's model and loss may raise anything
         raise refuse(f"one training step on {what} fails: {said(exc)}") from None
+
+
+@contextlib.contextmanager
+def _without_coordinator_report() -> Iterator[None]:
+    """Without the record (and traceback) TensorFlow's ``Coordinator`` logs for an exception
+    in ``strategy.run``'s replica function: the check says that exception in one line."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Error reported to Coordinator")
+
+    tf_log = logging.getLogger("tensorflow")
+    tf_log.addFilter(keep)
+    try:
+        yield
+    finally:
+        tf_log.removeFilter(keep)
 
 
 def _check_targets(

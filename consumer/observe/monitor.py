@@ -25,7 +25,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import ObserveOptions
+from stagefeed.common.options import MIB, ObserveOptions
 from stagefeed.common.stats import percentile
 from stagefeed.consumer.observe.advice import Advice, advise
 from stagefeed.consumer.observe.figures import (
@@ -60,6 +60,10 @@ class FinalFigures:
     whose graph set-up would count as compute) to the close; from the start if no step came
     after that. The percentiles are of ``wait_s + step_s`` of the window's steps (the last
     ``MAX_STEP_TIMES`` of them); NaN without steps. ``advice`` judges ``window``.
+    ``received_mb_per_s`` is over the time batches were received, from the run's first valid
+    batch to its last (NaN with fewer than two batches apart): producers may deliver every
+    batch before the window begins (a cluster's first step takes seconds), which the window's
+    own rate shows as 0.
     """
 
     window: Figures
@@ -67,6 +71,7 @@ class FinalFigures:
     p10_ms: float
     p90_ms: float
     advice: Advice
+    received_mb_per_s: float = math.nan
 
 
 class Monitor:
@@ -182,6 +187,7 @@ class Monitor:
             p10_ms=percentile(ms, 10),
             p90_ms=percentile(ms, 90),
             advice=self.advice(window),
+            received_mb_per_s=received_rate(end),
         )
 
     def close(self) -> None:
@@ -212,6 +218,15 @@ class Monitor:
     @property
     def _planned(self) -> int:
         return self._facts.steps_planned if self._facts is not None else 0
+
+
+def received_rate(end: Snapshot) -> float:
+    """MiB/s received over the time batches were received (``Books.receiving_s``), every
+    batch up to snapshot ``end``; NaN when that time is 0 (no batch, or one)."""
+    seconds = end.books.receiving_s
+    if not seconds > 0:
+        return math.nan
+    return end.books.totals.received_bytes / MIB / seconds
 
 
 def unthrottled_producer_rate(f: Figures, queue_at_start: int) -> float | None:

@@ -61,7 +61,7 @@ def summarize(
         "p90_ms": _round(final.p90_ms if final else nan),
         "examples_per_s": _round(window.examples_per_s if window else nan),
         # six digits: a small batch's rate (KiB/s) must not round to nothing
-        "received_mb_per_s": _round(window.received_mb_per_s if window else nan, 6),
+        "received_mb_per_s": _round(final.received_mb_per_s if final else nan, 6),
         "stall_pct": _round(window.stall_pct if window else nan),
         "loss_first": _round(_or_nan(trainer.loss_first), 4),
         "loss_last": _round(_or_nan(trainer.loss_last), 4),
