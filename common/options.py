@@ -237,6 +237,8 @@ class TrainerOptions:
     model: str = "alexnet"  # --model: "alexnet" or module:NAME (see consumer/model_ref.py)
     credit_per_producer: int = 2  # batches one producer may have in flight towards us
     producer_timeout_s: float = 10.0  # a connection silent this long is forgotten
+    # A TF_CONFIG cluster: how long a worker waits for every other to join (TensorFlow: 1 h).
+    cluster_join_s: float = 120.0
     transport: str = "zmq"  # "shm"/"auto": also map producers' pools (ZeroMQ batches still go)
     # Where pools are offered; None: consumer/intake/shm_config.default_socket_path(bind).
     shm_socket: str | None = None
@@ -297,6 +299,7 @@ class TrainerOptions:
                 f"got {self.credit_per_producer!r}"
             )
         check_number("producer_timeout_s", self.producer_timeout_s)
+        check_number("cluster_join_s", self.cluster_join_s)
         if not isinstance(self.model, str) or not (
             self.model == "alexnet" or re.fullmatch(r"[\w.]+:\w+", self.model)
         ):

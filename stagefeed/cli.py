@@ -130,6 +130,11 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
         help="a producer connection silent this long is forgotten: its credit returns, its "
         "shared-memory pool is unmapped (producers ping every 2 s while idle)",
     )  # fmt: skip
+    envflags.add(
+        g, "--cluster-join-timeout-s", type=float, default=120.0,
+        help="under a TF_CONFIG cluster: how long a worker waits for every other to join (a "
+        "chief that refused to start ends the others after this)",
+    )  # fmt: skip
     envflags.add(g, "--json", default=None, help="write the summary as JSON to this path")
     envflags.add(g, "--progress-s", type=float, default=5.0, help="seconds between progress lines")
     envflags.add(g, "--logdir", default=None, help="write TensorBoard scalars to this directory")
@@ -238,6 +243,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         device=args.device,
         max_message_mb=args.max_message_mb,
         producer_timeout_s=args.producer_timeout_s,
+        cluster_join_s=args.cluster_join_timeout_s,
         curve_keys=args.curve_keys,
         keep_freed_memory=not args.return_freed_memory,
         transport=args.transport,

@@ -37,12 +37,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from stagefeed.common import tf_config
-from stagefeed.common.errors import ConfigError
+from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import reclaim_stop_signals
 
 log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("auto", "ring", "nccl")
+JOIN_S = 120.0  # TrainerOptions.cluster_join_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,7 @@ def make_cluster(
     timeout_s: float | None = None,
     implementation: str = "auto",
     heartbeat_s: float | None = None,
+    join_s: float = JOIN_S,
 ) -> Cluster:
     """The strategy for this process's ``TF_CONFIG``; call before any other TensorFlow op."""
     if implementation not in IMPLEMENTATIONS:
@@ -107,13 +109,14 @@ def make_cluster(
         raise ConfigError(f"collective timeout must be > 0 seconds, got {timeout_s!r:.40}")
     if heartbeat_s is not None and not heartbeat_s > 0:
         raise ConfigError(f"heartbeat timeout must be > 0 seconds, got {heartbeat_s!r:.40}")
+    if not join_s > 0:
+        raise ConfigError(f"cluster join timeout must be > 0 seconds, got {join_s!r:.40}")
     if tf_config.from_environ() is None:
         raise ConfigError("several trainers need TF_CONFIG (cluster and task); it is not set")
     index, count = worker_place()
     import tensorflow as tf
 
-    if heartbeat_s is not None:
-        _configure_heartbeat(heartbeat_s)
+    _configure_coordination(heartbeat_s, join_s)
 
     kind = tf.distribute.experimental.CommunicationImplementation
     options = tf.distribute.experimental.CommunicationOptions(
@@ -122,6 +125,12 @@ def make_cluster(
     )
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    except tf.errors.DeadlineExceededError:
+        raise BrokenError(
+            f"the cluster did not form within {join_s:g} s (--cluster-join-timeout-s): not "
+            f"every worker of TF_CONFIG joined worker {index}; one that refused to start (a "
+            "--save holding a finished run, a bad flag) says why in its own log"
+        ) from None
     except RuntimeError as exc:
         if "at program startup" not in str(exc):
             raise
@@ -147,9 +156,12 @@ def make_cluster(
     return cluster
 
 
-def _configure_heartbeat(heartbeat_s: float) -> None:
+def _configure_coordination(heartbeat_s: float | None, join_s: float) -> None:
     """The coordination service as ``MultiWorkerMirroredStrategy`` configures it (TF 2.21,
-    ``collective_all_reduce_strategy.py``), with ``heartbeat_s``; it keeps a configured one."""
+    ``collective_all_reduce_strategy.py``; it keeps a configured one), with ``heartbeat_s``
+    (None: TensorFlow's 10 s) and ``join_s``: how long a worker waits for every other to
+    join, instead of TensorFlow's hour (a chief that refused to start, a finished ``--save``
+    for one, would otherwise leave the others waiting)."""
     try:
         from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
         from tensorflow.python.distribute import multi_worker_util
@@ -157,13 +169,14 @@ def _configure_heartbeat(heartbeat_s: float) -> None:
         from tensorflow.python.eager import context
     except ImportError as exc:
         raise ConfigError(
-            f"a heartbeat timeout needs TensorFlow's coordination service: {exc}"
+            f"a cluster needs TensorFlow's coordination service: {exc}"
         ) from None
     spec = TFConfigClusterResolver().cluster_spec()
     context.context().configure_coordination_service(
         service_type="standalone",
         service_leader=multi_worker_util.coordination_leader(spec),
-        heartbeat_timeout_in_ms=int(heartbeat_s * 1000),
+        heartbeat_timeout_in_ms=int(heartbeat_s * 1000) if heartbeat_s else 0,
+        cluster_register_timeout_in_ms=int(join_s * 1000),
         coordinated_jobs=[
             coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
             for job in ("chief", "worker")

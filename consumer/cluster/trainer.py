@@ -81,7 +81,7 @@ class ClusterTrainer(KerasTrainer):
         configure_server: Callable[[Any], None] | None = None,
         build: Callable[[Any], Any] | None = None,
     ) -> None:
-        self.cluster: Cluster = make_cluster()  # before any other TensorFlow op
+        self.cluster: Cluster = make_cluster(join_s=options.cluster_join_s)  # before any TF op
         super().__init__(options, observers, configure_server, build)
         self._wait_s = 0.0
         self._last_end = 0.0

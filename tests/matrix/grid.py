@@ -26,7 +26,8 @@ PROMISES: dict[str, str] = {
     "exactly_once_across_kill": "with --save (or a saved position), across SIGINT, SIGTERM "
     "and kill -9, every row is trained exactly E times",
     "finished_refused": "a finished run, run again, trains nothing more (the CLI, and a loop's "
-    "ServedFeed resumed from its final position: refused in one line, exit 2)",
+    "ServedFeed resumed from its final position: refused in one line, exit 2; a cluster's "
+    "other workers end after --cluster-join-timeout-s in one line, exit 3)",
     "nothing_left": "after an end, a stop or a kill -9 and the next start: no process, socket "
     "file or shared-memory segment left",
     "bad_source": "a source that raises mid-run: the batches before it trained, the summary, "

@@ -114,7 +114,7 @@ class PathRun:
                              "--save", str(self.tmp / f"save-{i}"), "--steps", "0",
                              "--warmup-steps", "0", "--progress-s", "2",
                              "--queue-mb", "1", "--checkpoint-every", str(CHECKPOINT_EVERY),
-                             "--producer-timeout-s", "4",
+                             "--producer-timeout-s", "4", "--cluster-join-timeout-s", "20",
                              "--json", str(self.tmp / f"{round_name}-{i}.json")],
                             f"trainer-{i}", cli_env(STAGEFEED_MATRIX_SPEED=self.column.speed,
                                                     TF_CONFIG=cluster_config(i, ports)))

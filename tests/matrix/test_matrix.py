@@ -185,8 +185,12 @@ def _run_again(run: PathRun, p: Promises, counts) -> None:
     for index, code in enumerate(codes):
         log = run.log(index)
         last = [line for line in log.strip().splitlines() if line][-1:]
-        p.check("finished_refused", code == 2 and "finished" in "".join(last),
-                f"worker {index}: exit {code}, last line {last}\n{_tail(log)}")
+        if index > 0:  # a cluster's other worker: its chief refused, so it never joins one
+            p.check("finished_refused", code == 3 and "the cluster did not form" in log,
+                    f"worker {index}: exit {code}\n{_tail(log)}")
+        else:
+            p.check("finished_refused", code == 2 and "finished" in "".join(last),
+                    f"worker {index}: exit {code}, last line {last}\n{_tail(log)}")
         p.check("finished_refused", "Traceback" not in log, _tail(log))
     if counts is not None:
         again = run.counts()
