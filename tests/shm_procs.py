@@ -25,6 +25,7 @@ class ModuleStarted(Started):
 
     def __init__(self, module: str, args: Sequence[str], log_path, env: dict[str, str] | None):
         self.log_path = log_path
+        self.env = env
         self._log = open(log_path, "w+")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=self._log, stderr=subprocess.STDOUT,

@@ -51,6 +51,9 @@ def test_a_signal_while_the_command_ends_by_itself_hurries_and_is_no_interruptio
 
 
 def test_restore_puts_the_handlers_back_and_joins_its_thread():
+    # From Python's defaults: a ServedFeed made earlier in this worker process and left open
+    # keeps its own SIGINT handler (consumer/tf2/feed_signals.py), which raises nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     installed = Shutdown().install()
     assert any(t.name == "stagefeed-signals" for t in threading.enumerate())

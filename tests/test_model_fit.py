@@ -78,8 +78,8 @@ def _served(schema) -> ServedFeed:
 @pytest.mark.parametrize(
     ("build", "schema", "mapping", "named"),
     [
-        (model_fit.three_classes, keras_images.SCHEMA, ("images", "labels"),
-         "output 'dense' has 3 classes, but the target 'labels' is in [0, 10)"),
+        (model_fit.three_classes, keras_images.SCHEMA, ("images", "labels"),  # Keras names
+         "has 3 classes, but the target 'labels' is in [0, 10)"),  # the layer by process
         (model_fit.ten_outputs, regression_models.SCHEMA, ("features", "targets"),
          "one training step on the dataset's elements fails: ValueError: Dimensions must be"),
         (model_fit.ten_outputs, regression_models.SCHEMA,

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -149,6 +150,9 @@ def main() -> int:
     parser.add_argument("--save", required=True)
     parser.add_argument("--model", choices=("counter", "wrong"), default="counter")
     args = parser.parse_args()
+    # Started from a shell, a program has Python's SIGINT handler; started by a pytest-xdist
+    # worker it inherits SIGINT ignored, which Python keeps: give it what a shell gives.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.monotonic()
     import tensorflow as tf
 
