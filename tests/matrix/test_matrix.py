@@ -27,8 +27,10 @@ from tests.matrix.paths import (
 pytestmark = pytest.mark.slow
 
 # docs/guarantees.md, "Signals and shutdown": ended within 5 s of the signal, plus the step in
-# progress (at most FAST_STEP_S here); the slack is for two xdist workers on two loaded cores.
-STOP_WITHIN_S = 5.0 + data.FAST_STEP_S + 5.0
+# progress (at most FAST_STEP_S here). tests/test_signals.py holds the CLI to that (+0.5 s);
+# here two cells start TensorFlow processes at once on two cores (measured: up to 11.2 s in
+# a fresh clone's make test-matrix), so the slack is 10 s.
+STOP_WITHIN_S = 5.0 + data.FAST_STEP_S + 10.0
 # The waiting line's interval (TrainerOptions.wait_log_s, 10 s) and the progress lines' (2 s
 # here), plus slack: no longer silence is allowed from TensorFlow's import to the end.
 LIVENESS_S = 13.0
