@@ -140,6 +140,7 @@ class Trainer(TrainerBase):
             except ClosedError:
                 break
             if not more and self.consumed == step - base:  # every dequeued batch trained
+                self.passes_ended(step - base)  # a pass end booked after its last step
                 self.data_ended = run_end.verdict.data_ended
                 self.drained_because = run_end.verdict.reason
                 log.info("%s and every batch was trained", run_end.verdict.reason)

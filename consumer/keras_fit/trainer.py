@@ -212,6 +212,9 @@ class KerasTrainer(TrainerBase):
         self._queued = figures.in_queue
         verdict = watch.run_end.verdict
         if verdict.ending is Ending.DRAIN and figures.queued == 0 and self._failure is None:
+            # A last batch may train before its producer's ``end_pass`` is booked: log the
+            # epochs that the whole run's batches complete, now that every end is in.
+            self.passes_ended(self.steps_done - self.step_base)
             self.data_ended = verdict.data_ended
             self.drained_because = verdict.reason
             log.info("%s and every batch was trained", verdict.reason)
