@@ -148,9 +148,18 @@ def test_producers_needed() -> None:
 # -- controlled real runs: real producers, real trainer, the advice printed and in --json ----
 
 
-def _run(tmp_path, *flags: str) -> dict:
+# A starved run by construction: a model whose step takes milliseconds on any machine of
+# this class, fed one batch a second (an AlexNet step beside a CPU hog took over a second and
+# judged a 1-batch/s run balanced).
+TINY_MODEL = [
+    "--schema", "tests.regression_models:SCHEMA", "--source", "tests.regression_models:sums",
+    "--model", "tests.regression_models:linear_fn",
+]  # fmt: skip
+
+
+def _run(tmp_path, *flags: str, job: list[str] = TINY) -> dict:
     summary_path = tmp_path / "summary.json"
-    proc = run_cli(["run", *TINY, "--json", str(summary_path), *flags], timeout=120)
+    proc = run_cli(["run", *job, "--json", str(summary_path), *flags], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
     assert f"advice: {summary['advice']}" in proc.stdout
@@ -159,9 +168,10 @@ def _run(tmp_path, *flags: str) -> dict:
 
 @pytest.mark.slow
 def test_slow_producers_make_a_run_input_bound(tmp_path) -> None:
-    # One producer limited to 1 batch/s; an AlexNet step on batch 2 takes well under a second.
+    # One producer limited to 1 batch/s; the step takes milliseconds.
     summary = _run(
-        tmp_path, "--producers", "1", "--rate", "1", "--steps", "4", "--warmup-steps", "1"
+        tmp_path, "--producers", "1", "--rate", "1", "--steps", "4", "--warmup-steps", "1",
+        job=TINY_MODEL,
     )
     assert summary["bottleneck"] == "input-bound", summary["advice"]
     assert summary["stall_pct"] > advice.INPUT_BOUND_STALL_PCT
@@ -178,12 +188,13 @@ def test_fast_producers_make_a_run_compute_bound(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_a_narrow_link_makes_a_float32_run_wire_bound(tmp_path) -> None:
-    # The same starved run, on a link declared at 1 MiB/s: fewer bytes is the advice.
+    # The same starved run on a link declared at 0.001 MiB/s: a step of milliseconds on
+    # 64-byte batches needs more than that (tens of KiB/s), so fewer bytes is the advice.
     summary = _run(
         tmp_path,
-        # Half a batch a second: starved even when a loaded machine makes a step take 1-2 s.
-        *("--producers", "1", "--rate", "0.5", "--steps", "3", "--warmup-steps", "1"),
-        *("--wire-mb-s", "1"),
+        *("--producers", "1", "--rate", "1", "--steps", "4", "--warmup-steps", "1"),
+        *("--wire-mb-s", "0.001"),
+        job=TINY_MODEL,
     )
     assert summary["bottleneck"] == "wire-bound", summary["advice"]
     assert summary["advice"].endswith("(--dtype uint8 for images) to move 4x fewer bytes")
