@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+
 from stagefeed.bench.config import IN_PLACE, IngestConfig
 from stagefeed.bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
 from stagefeed.bench.report import machine

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt

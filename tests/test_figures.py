@@ -9,6 +9,7 @@ import math
 import threading
 
 import pytest
+
 from stagefeed.common.errors import DropReason
 from stagefeed.common.ledger import Books, Ledger, ProducerTotals, Totals
 from stagefeed.common.schema import image_schema

@@ -17,7 +17,6 @@ from stagefeed.common.errors import DropReason
 from stagefeed.common.ledger import MAX_ENTRIES, MAX_SEQ_AHEAD
 from stagefeed.common.schema import MAX_ARRAYS
 from stagefeed.consumer.intake.dispatch import MAX_LIVE_CONNECTIONS
-
 from tests.conftest import REPO
 
 

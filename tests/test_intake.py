@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.ledger import Ledger

@@ -11,11 +11,11 @@ import signal
 
 import numpy as np
 import pytest
+
+from examples import keras_images
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import model_ref
-
-from examples import keras_images
 from tests import regression_models
 from tests.conftest import run_cli, wait_for
 

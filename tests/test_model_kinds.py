@@ -7,10 +7,10 @@ returns a Keras model is refused at start (consumer/model_ref.py)."""
 from __future__ import annotations
 
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import model_ref
-
 from tests import regression_models
 from tests.conftest import run_cli
 

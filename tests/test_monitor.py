@@ -12,6 +12,7 @@ import math
 import time
 
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import ObserveOptions, TrainerOptions
@@ -21,7 +22,6 @@ from stagefeed.consumer.observe.figures import RunFacts, RunReader
 from stagefeed.consumer.observe.monitor import Monitor, unthrottled_producer_rate
 from stagefeed.consumer.observe.summary import format_text, summarize
 from stagefeed.consumer.trainer_base import StepRecord
-
 from tests.figures_util import BATCH_BYTES, window
 
 SPEC = image_schema(batch_size=2)

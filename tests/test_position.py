@@ -5,6 +5,7 @@ trained or in flight refused; the union of two workers' books; the welcome's pos
 from __future__ import annotations
 
 import pytest
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import ConfigError, DropReason, ProtocolError
 from stagefeed.common.ledger import Ledger

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import ObserveOptions
@@ -24,7 +25,6 @@ from stagefeed.consumer.observe.figures import (
 from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.tensorboard import TensorBoardWriter
 from stagefeed.consumer.trainer_base import StepRecord
-
 from tests.conftest import TINY, run_cli
 
 SPEC = image_schema(batch_size=2)

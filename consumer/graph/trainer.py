@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
+
 from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import model_ref

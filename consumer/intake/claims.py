@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.ledger import Ledger

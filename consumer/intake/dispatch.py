@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+
 from stagefeed.common import protocol, tf_config
 from stagefeed.common.curve import key_fingerprint
 from stagefeed.common.errors import DropReason, ProtocolError

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+
 from stagefeed.common import liveness
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.ipc_file import IpcFile

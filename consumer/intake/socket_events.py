@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import zmq
 import zmq.utils.monitor
+
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.throttle import LogThrottle
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import keras
 import numpy as np
+
 from stagefeed.common.errors import ConfigError, NonFiniteLoss
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions

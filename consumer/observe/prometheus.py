@@ -32,6 +32,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.consumer.memory import heap

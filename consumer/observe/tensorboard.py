@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.consumer.observe.figures import Figures, Snapshot

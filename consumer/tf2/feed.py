@@ -21,6 +21,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import check_stage_depth
 from stagefeed.common.schema import ArraySpec, Schema

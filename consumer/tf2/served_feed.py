@@ -48,6 +48,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads

@@ -7,9 +7,9 @@ import threading
 import time
 
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.schema import Schema
-
 from tests.hostile.peers import Peer
 from tests.hostile.wire import valid_arrays
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 import zmq
-from stagefeed.common import protocol
 
+from stagefeed.common import protocol
 from tests import procs
 from tests.conftest import wait_for
 from tests.hostile import wire

@@ -9,8 +9,8 @@ import time
 
 import msgpack
 import pytest
-from stagefeed.common.schema import image_schema
 
+from stagefeed.common.schema import image_schema
 from tests import procs
 from tests.hostile import wire
 from tests.hostile.peers import Peer
