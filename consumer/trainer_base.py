@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from stagefeed.common.errors import NonFiniteLoss
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.observe.figures import RunFacts, RunReader
 from stagefeed.consumer.run_end import finished_because
 
@@ -159,7 +159,7 @@ class TrainerBase:
         """With ``--save``: book per-shard input positions in the ledger, from the checkpoint
         ``checkpoints.resumed`` when there is one (logged in one line); the step to go on from.
         Call before the intake starts. ``joined_only``: ``ShardBooks``' (a cluster worker)."""
-        from stagefeed.common.shard_books import ShardBooks
+        from stagefeed.consumer.books.shard_books import ShardBooks
 
         resumed = checkpoints.resumed
         books = ShardBooks(resumed.position if resumed else None, joined_only, confirms=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from stagefeed.common.ledger import Books, ProducerTotals, Totals
+from stagefeed.consumer.books.ledger import Books, ProducerTotals, Totals
 from stagefeed.consumer.observe.figures import (
     Figures,
     RunFacts,

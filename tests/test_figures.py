@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from stagefeed.common.errors import DropReason
-from stagefeed.common.ledger import Books, Ledger, ProducerTotals, Totals
 from stagefeed.common.schema import image_schema
+from stagefeed.consumer.books.ledger import Books, Ledger, ProducerTotals, Totals
 from stagefeed.consumer.observe.figures import (
     RunFacts,
     RunReader,

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stagefeed.cli import build_parser
 from stagefeed.common.errors import ConfigError, DropReason
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import ObserveOptions
 from stagefeed.common.schema import image_schema
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.observe.figures import RunFacts, RunReader, StepCounters, take_snapshot
 from stagefeed.consumer.observe.prometheus import CLIENT_TIMEOUT_S, MAX_CLIENTS, MetricsServer
 from stagefeed.consumer.trainer_base import StepRecord

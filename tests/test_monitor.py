@@ -14,9 +14,9 @@ import time
 import pytest
 
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import ObserveOptions, TrainerOptions
 from stagefeed.common.schema import image_schema
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.graph.trainer import Trainer
 from stagefeed.consumer.observe.figures import RunFacts, RunReader
 from stagefeed.consumer.observe.monitor import Monitor, unthrottled_producer_rate

@@ -179,8 +179,8 @@ def test_a_cluster_worker_refuses_a_producer_with_passes(monkeypatch):
     import zmq
 
     from stagefeed.common import protocol
-    from stagefeed.common.ledger import Ledger
     from stagefeed.common.options import TrainerOptions
+    from stagefeed.consumer.books.ledger import Ledger
     from stagefeed.consumer.intake.intake import Intake
     from tests.resume_models import SCHEMA
 

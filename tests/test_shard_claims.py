@@ -15,9 +15,9 @@ import pytest
 import zmq
 
 from stagefeed.common import protocol
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
-from stagefeed.common.shard_books import ShardBooks
+from stagefeed.consumer.books.ledger import Ledger
+from stagefeed.consumer.books.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
 from tests import resume_models
 from tests.procs import log_text

@@ -12,9 +12,9 @@ import pytest
 import tensorflow as tf
 
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import ObserveOptions
 from stagefeed.common.schema import image_schema
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.observe.figures import (
     RunFacts,
     RunReader,

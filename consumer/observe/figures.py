@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from stagefeed.common.ledger import Books
 from stagefeed.common.options import MIB
+from stagefeed.consumer.books.ledger import Books
 
 if TYPE_CHECKING:
     from stagefeed.consumer.trainer_base import StepRecord
