@@ -46,7 +46,7 @@ from stagefeed.common.schema import Schema
 from stagefeed.consumer.books.ledger import Books
 from stagefeed.consumer.graph.trainer import Trainer
 from stagefeed.consumer.memory import malloc_policy
-from stagefeed.consumer.trainer_base import StepRecord
+from stagefeed.consumer.run_facts import StepRecord
 from stagefeed.producer.pool import Producers, pool_check
 
 log = logging.getLogger(__name__)

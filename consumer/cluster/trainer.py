@@ -51,7 +51,7 @@ from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
 from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd
-from stagefeed.consumer.trainer_base import StepObserver, StepRecord
+from stagefeed.consumer.run_facts import StepObserver, StepRecord
 from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)

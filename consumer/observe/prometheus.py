@@ -36,7 +36,8 @@ from prometheus_client.exposition import MetricsHandler
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.consumer.memory import heap
-from stagefeed.consumer.observe.figures import RunFacts, Snapshot
+from stagefeed.consumer.observe.figures import Snapshot
+from stagefeed.consumer.run_facts import RunFacts
 
 log = logging.getLogger(__name__)
 
