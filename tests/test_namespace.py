@@ -102,7 +102,7 @@ def test_every_package_folder_is_in_pyprojects_package_list():
 KERAS_RUN_MODULES = """
 import sys
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer import model_ref
+from stagefeed.consumer import trainers
 from stagefeed.common.options import ObserveOptions
 from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.summary import format_text, summarize
@@ -112,7 +112,7 @@ options = TrainerOptions(
     bind="tcp://127.0.0.1:*", schema=SCHEMA, model="tests.regression_models:build"
 )
 monitor = Monitor(ObserveOptions())
-trainer = model_ref.trainer(options, [monitor]).start()
+trainer = trainers.trainer(options, [monitor]).start()
 trainer.close()
 format_text(summarize(trainer, None, 1.0, interrupted=True))
 graph_mode = "stagefeed.consumer.graph"  # the package: the feeding graph, its trainer, AlexNet
