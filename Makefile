@@ -8,7 +8,7 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stagefeed-installed
 
-.PHONY: run test lint venv bench clean
+.PHONY: run test lint layers venv bench clean
 
 $(STAMP): pyproject.toml tests/k8s-renderer.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,10 +24,35 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(MAKE) --no-print-directory layers
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/matrix
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# The layer map of docs/architecture.md: the import-linter contracts in pyproject.toml.
+# lint-imports finds a package by walking its folder, and stagefeed's layers are folders beside
+# it (pyproject's package-dir), so it reads build/layers: links laid out as the installed
+# package, made afresh from package-dir each run. It runs from there (its working directory
+# comes first on its path, before the repository's own stagefeed/).
+define LAYERS_TREE
+import pathlib, tomllib
+repo = pathlib.Path.cwd()
+folders = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+top = pathlib.Path("build/layers/stagefeed")
+top.mkdir(parents=True)
+for source in (repo / folders["stagefeed"]).glob("*.py"):
+    (top / source.name).symlink_to(source)
+for name, folder in folders.items():
+    if name != "stagefeed":
+        top.joinpath(*name.split(".")[1:]).symlink_to(repo / folder)
+endef
+export LAYERS_TREE
+
+layers: $(STAMP)
+	rm -rf build/layers
+	$(BIN)/python -c "$$LAYERS_TREE"
+	cd build/layers && $(CURDIR)/$(BIN)/lint-imports --no-cache $(CURDIR)/pyproject.toml
 
 bench: $(STAMP)
 	$(BIN)/stagefeed bench steps

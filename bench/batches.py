@@ -4,6 +4,7 @@ pyzmq sender processes import this module."""
 from __future__ import annotations
 
 import numpy as np
+
 from stagefeed.common.schema import Schema
 
 

@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
 
     cluster = make_cluster()  # the process's first TensorFlow op
     import tensorflow as tf
+
     from stagefeed.bench.keras_model import alexnet
     from stagefeed.consumer.cluster import loop
     from stagefeed.consumer.cluster.collective_stop import distribute

@@ -34,18 +34,19 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+
 from stagefeed.bench.config import IN_PLACE, IngestConfig
 from stagefeed.bench.rawzmq import endpoint_for, measure_memcpy, measure_raw
 from stagefeed.bench.report import machine
 from stagefeed.bench.sources import LABELS_IN_PLACE
 from stagefeed.common.errors import ClosedError
-from stagefeed.common.ledger import Books
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema
+from stagefeed.consumer.books.ledger import Books
 from stagefeed.consumer.graph.trainer import Trainer
 from stagefeed.consumer.memory import malloc_policy
-from stagefeed.consumer.trainer_base import StepRecord
+from stagefeed.consumer.run_facts import StepRecord
 from stagefeed.producer.pool import Producers, pool_check
 
 log = logging.getLogger(__name__)

@@ -31,6 +31,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import join_threads
 

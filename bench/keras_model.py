@@ -20,6 +20,7 @@ for this model; the choice is the same for all three modes.
 from __future__ import annotations
 
 import keras
+
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.graph import alexnet as graph_model
 from stagefeed.consumer.keras_fit.callback import cast_layer

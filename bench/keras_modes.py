@@ -22,6 +22,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+
 from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.keras_gate import GatedFit
 from stagefeed.bench.keras_model import alexnet, alexnet_layers, compile_model

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import keras
+
 from stagefeed.bench.config import StepsConfig
 from stagefeed.bench.feed_path import Loopback
 from stagefeed.bench.keras_modes import KerasMode

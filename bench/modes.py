@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
 from stagefeed.bench.batches import host_batch
 from stagefeed.bench.config import StepsConfig
 from stagefeed.common.schema import Schema

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from stagefeed.bench.batches import host_batch
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from stagefeed.common.stats import percentile
 
 

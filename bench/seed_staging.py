@@ -18,12 +18,13 @@ import time
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.ops.data_flow_ops import StagingArea
+
 from stagefeed.bench.batches import host_batch
 from stagefeed.bench.cpu import threads_cpu_s
 from stagefeed.bench.modes import GraphMode, alexnet_step, alignment, tf_dtype
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import join_threads
-from tensorflow.python.ops.data_flow_ops import StagingArea
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

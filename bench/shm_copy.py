@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 from stagefeed.common.shm.layout import SlotLayout
 from stagefeed.common.shm.mapped import Descriptor, MappedPool
 from stagefeed.common.shm.slots import SlotPool

@@ -11,6 +11,7 @@ instrument, not a data source: the images it sends are whatever an earlier batch
 from __future__ import annotations
 
 import numpy as np
+
 from stagefeed.common.schema import Schema
 from stagefeed.producer.sources import WorkerInfo
 

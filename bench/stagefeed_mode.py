@@ -22,7 +22,7 @@ from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.consumer.graph import alexnet
 from stagefeed.consumer.graph.trainer import Trainer
-from stagefeed.consumer.trainer_base import StepRecord
+from stagefeed.consumer.run_facts import StepRecord
 from stagefeed.producer.pool import pool_check
 
 log = logging.getLogger(__name__)

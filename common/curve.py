@@ -32,10 +32,11 @@ from collections.abc import Callable
 
 import zmq
 import zmq.auth
-from stagefeed.common.errors import ConfigError
-from stagefeed.common.lifecycle import join_threads
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+
+from stagefeed.common.errors import ConfigError
+from stagefeed.common.lifecycle import join_threads
 
 log = logging.getLogger(__name__)
 

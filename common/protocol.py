@@ -83,6 +83,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.position import MAX_RANGES, MAX_SHARDS

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.refs import import_ref

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import tensorflow as tf
+
 from stagefeed.common.schema import Schema
 
 

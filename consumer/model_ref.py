@@ -24,24 +24,24 @@ fit the schema) is a ``ConfigError`` naming the model, raised before any produce
 A train step that fails later (TensorFlow's error in ``fit`` or ``session.run``) is a
 ``BrokenError`` naming the model and the first line of what TensorFlow said
 (``step_failed``): the run ends as every failure does, the summary, then that line, exit 3.
-``trainer()`` makes the trainer of either kind; only the Keras kind imports Keras.
+``consumer.trainers.trainer()`` makes the trainer of either kind; this module imports no trainer
+(the trainers import it) and no TensorFlow.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from stagefeed.common.errors import BrokenError, ConfigError, StagefeedError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.refs import import_ref
 
-if TYPE_CHECKING:
-    from stagefeed.common.options import TrainerOptions
-    from stagefeed.consumer.trainer_base import StepObserver, TrainerBase
-
 DEFAULT_MODEL = "alexnet"
+# The seed's AlexNet, loaded as any ``--model module:NAME`` is: the resolver sits below the
+# trainers, graph mode's among them, and imports none of them.
+DEFAULT_MODEL_REF = "stagefeed.consumer.graph.alexnet:model_fn"
 GRAPH = "graph"
 KERAS = "keras"
 KIND_ATTRIBUTE = "stagefeed_model_kind"
@@ -67,9 +67,7 @@ def keras_model(fn: F) -> F:
 def resolve(ref: str) -> tuple[str, Callable[..., Any]]:
     """(kind, callable) for ``--model``: ``alexnet`` or ``module:NAME`` (see the module doc)."""
     if ref == DEFAULT_MODEL:
-        from stagefeed.consumer.graph.alexnet import model_fn
-
-        return GRAPH, _checked_model_fn(model_fn)
+        return GRAPH, _checked_model_fn(import_ref(DEFAULT_MODEL_REF, "--model"))
     value = import_ref(ref, "--model")
     if not callable(value):
         raise ConfigError(f"--model {ref!r} is a {type(value).__name__}, not a function")
@@ -181,28 +179,3 @@ def step_failed(ref: str, exc: BaseException) -> StagefeedError:
         return exc
     return BrokenError(f"--model {ref!r}: a train step failed: {said(exc)}")
 
-
-def trainer(
-    options: TrainerOptions,
-    observers: Sequence[StepObserver] = (),
-    configure_server: Callable[[Any], None] | None = None,
-) -> TrainerBase:
-    """The trainer for ``options.model``: graph mode for a ``model_fn``, ``model.fit`` for a
-    Keras ``build``, and for a Keras ``build`` when ``TF_CONFIG`` names a cluster, one worker
-    of it (``consumer.cluster.trainer``; graph mode is refused there). ``ConfigError`` if the
-    model cannot be resolved (see ``resolve``)."""
-    kind, fn = resolve(options.model)
-    from stagefeed.consumer.cluster.strategy import in_cluster, refuse_in_cluster
-
-    if kind == KERAS and in_cluster():  # one worker of a MultiWorkerMirroredStrategy cluster
-        from stagefeed.consumer.cluster.trainer import ClusterTrainer
-
-        return ClusterTrainer(options, observers, configure_server, build=fn)
-    if kind == KERAS:
-        from stagefeed.consumer.keras_fit.trainer import KerasTrainer
-
-        return KerasTrainer(options, observers, configure_server, build=fn)
-    refuse_in_cluster(f"graph mode (--model {options.model!r})")
-    from stagefeed.consumer.graph.trainer import Trainer
-
-    return Trainer(options, observers, configure_server, model_fn=fn)

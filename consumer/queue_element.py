@@ -5,6 +5,7 @@ the message they came in, so every trained batch traces back to its producer."""
 from __future__ import annotations
 
 import tensorflow as tf
+
 from stagefeed.common.schema import Schema
 
 PEER_DTYPE = tf.int32

@@ -21,7 +21,7 @@ Refused at start (``ConfigError``, one line, exit 2), never resumed silently:
   bounds (a step, epoch, seq or shard: ``common.position.MAX_SEQ``).
 
 ``--fresh`` starts over: the previous run's files move to ``DIR/previous-<time>/`` (nothing is
-deleted). The number of shards is checked when producers say hello (``common.shard_books``),
+deleted). The number of shards is checked when producers say hello (``consumer.books.shard_books``),
 a source that cannot seek is announced there. No TensorFlow here.
 """
 

@@ -1,11 +1,12 @@
-"""What both trainer kinds share: step records, observers, the loss policy, run length.
+"""What both trainer kinds share: the step books, the loss policy, run length.
 
 The graph-mode ``Trainer`` (``consumer.graph.trainer``) and the Keras ``KerasTrainer``
 (``consumer.keras_fit.trainer``) derive from ``TrainerBase``, so the summary, the monitor and the
 exporters read the same attributes from either: ``options``, ``schema``, ``ledger``,
 ``steps_done``, ``loss_first``, ``loss_last``, ``loss_finite``, ``data_ended``, ``device``,
 ``endpoint``, ``transport``, ``shm_stats()`` and ``queue_batches``. Observers are given only
-``facts`` and ``reader`` (``consumer.observe.figures``), which exist from construction on.
+``facts`` and ``reader`` (``consumer.run_facts``, with ``StepRecord`` and ``StepObserver``),
+which exist from construction on.
 
 Every step goes through ``book_step`` on the training thread: the observers see the record
 (none is kept here), and then the loss policy applies. A NaN or infinite loss with
@@ -15,39 +16,18 @@ Every step goes through ``book_step`` on the training thread: the observers see 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from stagefeed.common.errors import NonFiniteLoss
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer.observe.figures import RunFacts, RunReader
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.run_end import finished_because
+from stagefeed.consumer.run_facts import RunFacts, RunReader, StepObserver, StepRecord
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One train step. ``wait_s``: time the step waited for a batch before it could run."""
-
-    step: int  # 1-based, warm-up steps included
-    timed: bool  # False for warm-up steps
-    wait_s: float
-    step_s: float
-    loss: float
-    queue_batches: int  # batches in the FIFOQueue when the step started
-    at: float  # time.monotonic() at the end of the step
-
-
-class StepObserver(Protocol):
-    """Told of each step on the train loop (keep it short). Observers that need more than the
-    record are given the trainer's ``facts`` and ``reader``, never the trainer."""
-
-    def on_step(self, record: StepRecord) -> None: ...
 
 
 class TrainerBase:
@@ -159,7 +139,7 @@ class TrainerBase:
         """With ``--save``: book per-shard input positions in the ledger, from the checkpoint
         ``checkpoints.resumed`` when there is one (logged in one line); the step to go on from.
         Call before the intake starts. ``joined_only``: ``ShardBooks``' (a cluster worker)."""
-        from stagefeed.common.shard_books import ShardBooks
+        from stagefeed.consumer.books.shard_books import ShardBooks
 
         resumed = checkpoints.resumed
         books = ShardBooks(resumed.position if resumed else None, joined_only, confirms=True)

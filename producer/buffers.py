@@ -11,6 +11,7 @@ import logging
 import math
 
 import numpy as np
+
 from stagefeed.common.options import MIB
 from stagefeed.common.schema import Schema
 

@@ -52,6 +52,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, ProtocolError
 from stagefeed.common.lifecycle import join_threads

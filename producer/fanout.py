@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from stagefeed.common.errors import ClosedError
 from stagefeed.common.options import ProducerOptions
 from stagefeed.common.schema import Schema, SchemaMismatch

@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 import zmq
+
 from stagefeed.common.errors import StagefeedError
 from stagefeed.common.schema import Schema
 

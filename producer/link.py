@@ -47,6 +47,7 @@ from typing import Any
 
 import zmq
 import zmq.utils.monitor
+
 from stagefeed.common import liveness, protocol
 from stagefeed.common.errors import BrokenError, StagefeedError
 from stagefeed.common.schema import Schema

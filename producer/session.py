@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
@@ -90,7 +91,7 @@ class Session:
         self._on_release = on_release
         self.name = name
         # Links this run's connections in the trainer's books; secret, so that no other peer
-        # claiming our name can write into them (common/ledger.py).
+        # claiming our name can write into them (consumer/books/ledger.py).
         self._token = secrets.token_hex(16)
         self.schema = schema  # declared, or adopted from the first welcome; then fixed
         self.welcome: Welcome | None = None  # the first one

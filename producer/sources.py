@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.refs import import_ref
 from stagefeed.common.schema import Schema, SchemaMismatch, check_arrays

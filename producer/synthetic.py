@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.producer.buffers import allocate_batch
 

@@ -60,8 +60,8 @@ _LAZY = {
     "KerasTrainer": "stagefeed.consumer.keras_fit.trainer",
     "Producers": "stagefeed.producer.pool",  # no TensorFlow
     "ServedFeed": "stagefeed.consumer.tf2.served_feed",
-    "StepObserver": "stagefeed.consumer.trainer_base",
-    "StepRecord": "stagefeed.consumer.trainer_base",
+    "StepObserver": "stagefeed.consumer.run_facts",  # no TensorFlow
+    "StepRecord": "stagefeed.consumer.run_facts",  # no TensorFlow
     "Trainer": "stagefeed.consumer.graph.trainer",
     "TrainedStep": "stagefeed.consumer.tf2.step_books",
     "cast_layer": "stagefeed.consumer.keras_fit.callback",

@@ -207,11 +207,11 @@ def train(
     from stagefeed.consumer.quiet_tf import import_tensorflow
 
     import_tensorflow()
-    from stagefeed.consumer import model_ref
+    from stagefeed.consumer import trainers
     from stagefeed.consumer.observe.monitor import Monitor
 
     monitor = Monitor(observe)
-    trainer = model_ref.trainer(options, [monitor], _server_configurator(options))
+    trainer = trainers.trainer(options, [monitor], _server_configurator(options))
     started = time.monotonic()
     failure: StagefeedError | None = None
     try:
@@ -251,11 +251,11 @@ def run_local(
     from stagefeed.consumer.quiet_tf import import_tensorflow
 
     import_tensorflow()  # seconds
-    from stagefeed.consumer import model_ref
+    from stagefeed.consumer import trainers
     from stagefeed.consumer.observe.monitor import Monitor
 
     monitor = Monitor(observe)
-    trainer = model_ref.trainer(options, [monitor], _server_configurator(options))
+    trainer = trainers.trainer(options, [monitor], _server_configurator(options))
     pool: Producers | None = None
     failure: StagefeedError | None = None
     started = time.monotonic()

@@ -39,6 +39,7 @@ if not SETTINGS.get("reference"):
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
 from stagefeed.common.errors import BrokenError, NonFiniteLoss  # noqa: E402
 from stagefeed.consumer.run_end import Ending  # noqa: E402
 
@@ -83,10 +84,9 @@ def dataset(worker: int, size: int) -> tf.data.Dataset:
 
 def feed_iterator(strategy: tf.distribute.Strategy, worker: int, size: int):
     """The worker's batches through a ``Feed``: (iterator, feed, filler)."""
+    from examples.filler import ThreadFiller
     from stagefeed.common.schema import ArraySpec, Schema
     from stagefeed.consumer.tf2.feed import Feed
-
-    from examples.filler import ThreadFiller
 
     schema = Schema((ArraySpec("x", "float32", (4,)), ArraySpec("y", "int32", ())), size)
     feed = Feed(schema, 4, stage_depth=1)

@@ -17,11 +17,11 @@ CPU = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(CPU, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402 - after the device configuration
-from stagefeed.common.schema import ArraySpec, Schema  # noqa: E402
-from stagefeed.consumer.tf2.feed import Feed  # noqa: E402
 
 from examples import custom_loop  # noqa: E402
 from examples.filler import ThreadFiller  # noqa: E402
+from stagefeed.common.schema import ArraySpec, Schema  # noqa: E402
+from stagefeed.consumer.tf2.feed import Feed  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 
 MARKED = Schema((ArraySpec("marker", "int64", ()), ArraySpec("x", "float32", (4,))), 8)

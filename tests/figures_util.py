@@ -6,14 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from stagefeed.common.ledger import Books, ProducerTotals, Totals
-from stagefeed.consumer.observe.figures import (
-    Figures,
-    RunFacts,
-    Snapshot,
-    StepTotals,
-    figures_between,
-)
+from stagefeed.consumer.books.ledger import Books, ProducerTotals, Totals
+from stagefeed.consumer.observe.figures import Figures, Snapshot, StepTotals, figures_between
+from stagefeed.consumer.run_facts import RunFacts
 
 BATCH_BYTES = 2 * 227 * 227 * 3 * 4  # --batch-size 2, float32
 

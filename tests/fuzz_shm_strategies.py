@@ -14,9 +14,9 @@ from typing import Any
 
 import msgpack
 from hypothesis import strategies as st
+
 from stagefeed.common import protocol
 from stagefeed.common.schema import MAX_ARRAYS
-
 from tests.fuzz_strategies import (
     INTS,
     LEAVES,

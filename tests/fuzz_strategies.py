@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.schema import (

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import keras
-from stagefeed.common.schema import ArraySpec, Schema
 
 from examples import keras_images
+from stagefeed.common.schema import ArraySpec, Schema
 
 
 def three_classes(schema):

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+
 from stagefeed.common.schema import ArraySpec, Schema
 
 ROWS = 240

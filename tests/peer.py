@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import zmq
+
 from stagefeed.common import protocol
 
 IMAGES = np.zeros((2, 227, 227, 3), np.float32)

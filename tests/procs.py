@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import image_schema
-
 from tests.conftest import TINY, Started, free_tcp_port, wait_for
 
 MIB = 2**20

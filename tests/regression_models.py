@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+
 from stagefeed.common.schema import ArraySpec, Schema
 
 SCHEMA = Schema((ArraySpec("features", "float32", (3,)), ArraySpec("targets", "float32")), 4)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+
 from stagefeed.common.schema import ArraySpec, Schema
 
 ROWS = 96

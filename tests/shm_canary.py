@@ -30,6 +30,7 @@ import threading
 import time
 
 import numpy as np
+
 from stagefeed.common.schema import ArraySpec, Schema
 
 SCHEMA = Schema((ArraySpec("pixels", "uint8", (65536,)), ArraySpec("tag", "int64")), batch_size=4)
@@ -61,6 +62,7 @@ def source(schema: Schema, worker) -> _Canary:
 def model_fn(staged, schema):
     """(running count of corrupted batches, its update): every batch checked against its seq."""
     import tensorflow as tf
+
     from stagefeed.consumer.graph.feed_graph import STAGED_SEQ
 
     v1 = tf.compat.v1

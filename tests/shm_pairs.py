@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
 from stagefeed.common.shm.layout import (
     SlotLayout,
 )

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason
 from stagefeed.common.schema import Schema
-
 from tests.conftest import free_tcp_port
 
 

@@ -6,9 +6,9 @@ import json
 import math
 
 import pytest
+
 from stagefeed.consumer.observe import advice
 from stagefeed.consumer.observe.advice import advise, producers_needed
-
 from tests.conftest import TINY, run_cli
 from tests.figures_util import window
 

@@ -9,12 +9,12 @@ import json
 import math
 
 import pytest
+
 from stagefeed.bench.rawzmq import measure_memcpy, measure_raw
 from stagefeed.bench.sources import labels_in_place
 from stagefeed.common.schema import check_arrays, image_schema
 from stagefeed.producer.buffers import allocate_batch
 from stagefeed.producer.sources import WorkerInfo
-
 from tests.conftest import run_cli
 
 TINY_SCHEMA = image_schema(batch_size=2, dtype="uint8")

@@ -15,11 +15,11 @@ import time
 
 import psutil
 import pytest
+
 from stagefeed.bench.config import KERAS_MODES, STEP_MODES, StepsConfig, expand_modes
 from stagefeed.bench.cpu import process_cpu_s, threads_cpu_s
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.producer.pool import pool_check
-
 from tests.conftest import run_cli, wait_for
 
 pytestmark = pytest.mark.slow

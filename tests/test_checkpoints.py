@@ -11,11 +11,11 @@ import json
 import os
 
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition, StreamPosition
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, check_save_dir, is_chief
-
 from tests.conftest import run_cli
 from tests.regression_models import SCHEMA
 

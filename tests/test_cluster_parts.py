@@ -7,6 +7,7 @@ import json
 
 import pytest
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.consumer.cluster import strategy
 from stagefeed.consumer.cluster.collective_stop import decode, vote_for

@@ -18,9 +18,9 @@ import pytest
 import zmq
 import zmq.auth
 import zmq.utils.monitor
+
 from stagefeed.common import curve
 from stagefeed.common.errors import ConfigError
-
 from stagefeed.keygen import write_keys
 from tests import procs
 from tests.conftest import TINY, run_cli

@@ -11,8 +11,8 @@ import json
 
 import numpy as np
 import pytest
-from stagefeed.common.schema import ArraySpec, Schema
 
+from stagefeed.common.schema import ArraySpec, Schema
 from tests.conftest import run_cli
 from tests.resume_models import EPOCHS, ROWS, counts_in, miscounted
 from tests.standin_trainer import StandInTrainer

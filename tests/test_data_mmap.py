@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 import psutil
-from stagefeed.common.schema import ArraySpec, Schema
 
+from stagefeed.common.schema import ArraySpec, Schema
 from tests.conftest import Started
 from tests.procs import workers_of
 from tests.standin_trainer import StandInTrainer

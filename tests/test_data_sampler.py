@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.producer.data.arrays import ArrayRecords

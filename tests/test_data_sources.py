@@ -8,6 +8,7 @@ import zipfile
 
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.producer.data.arrays import ArrayRecords, open_npy
 from stagefeed.producer.data.images import ImageFolder

@@ -8,13 +8,13 @@ import time
 
 import numpy as np
 import tensorflow as tf
+
+from examples.filler import ThreadFiller
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.tf2 import pipeline
 from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
 from stagefeed.consumer.tf2.feed import Feed
 from stagefeed.consumer.tf2.step_books import DequeueLog, StepBooks
-
-from examples.filler import ThreadFiller
 from tests.conftest import wait_for
 
 # ``marker`` carries the batch's seq, so a step can tell which batch it trained.

@@ -11,10 +11,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from stagefeed.common.schema import ArraySpec, Schema
-from stagefeed.consumer.tf2.feed import Feed
 
 from examples.filler import ThreadFiller
+from stagefeed.common.schema import ArraySpec, Schema
+from stagefeed.consumer.tf2.feed import Feed
 
 SCHEMA = Schema((ArraySpec("x", "float32", (4,)), ArraySpec("y", "int32", (), bounds=(0, 2))), 16)
 WEIGHTS = np.array([1.0, -1.0, 2.0, 0.5], np.float32)

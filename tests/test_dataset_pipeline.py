@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.tf2.feed import Feed

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema, SchemaMismatch, image_schema
 from stagefeed.consumer.devices import training_device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.consumer.devices import is_gpu, training_device
 

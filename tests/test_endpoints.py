@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from stagefeed.common.endpoints import MAX_IPC_PATH_BYTES, Endpoint, parse
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import ProducerOptions, TrainerOptions, check_endpoint

@@ -8,10 +8,10 @@ and `ipc`, a deprecated spelling `run` still takes, was never a transport of `tr
 from __future__ import annotations
 
 import pytest
-from stagefeed.common.errors import ConfigError
 
 from stagefeed import envflags
 from stagefeed.cli import build_parser
+from stagefeed.common.errors import ConfigError
 from tests.conftest import cli_env, free_tcp_port, run_cli
 
 

@@ -7,8 +7,8 @@ one line naming the source last on stderr and no traceback."""
 from __future__ import annotations
 
 import pytest
-from stagefeed.common.errors import EXIT_BROKEN, EXIT_CONFIG
 
+from stagefeed.common.errors import EXIT_BROKEN, EXIT_CONFIG
 from tests import regression_models
 from tests.conftest import run_cli
 from tests.standin_trainer import StandInTrainer

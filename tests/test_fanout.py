@@ -14,12 +14,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import ProducerOptions
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.producer.channel import TrainerChannel
 from stagefeed.producer.fanout import Fanout, make_channel
-
 from tests.conftest import free_tcp_port, wait_for
 from tests.standin_trainer import StandInTrainer
 from tests.test_producer_worker import Running

@@ -9,12 +9,11 @@ import math
 import threading
 
 import pytest
+
 from stagefeed.common.errors import DropReason
-from stagefeed.common.ledger import Books, Ledger, ProducerTotals, Totals
 from stagefeed.common.schema import image_schema
+from stagefeed.consumer.books.ledger import Books, Ledger, ProducerTotals, Totals
 from stagefeed.consumer.observe.figures import (
-    RunFacts,
-    RunReader,
     Snapshot,
     StepCounters,
     StepTotals,
@@ -22,7 +21,7 @@ from stagefeed.consumer.observe.figures import (
     figures_between,
     take_snapshot,
 )
-from stagefeed.consumer.trainer_base import StepRecord
+from stagefeed.consumer.run_facts import RunFacts, RunReader, StepRecord
 
 SPEC = image_schema(batch_size=2)
 FACTS = RunFacts("/cpu:0", 2, SPEC.batch_bytes, "float32", queue_capacity=10)

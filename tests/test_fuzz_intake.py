@@ -21,13 +21,13 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import ProtocolError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, ArraySpec, Schema
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.intake import Intake
-
 from tests.fuzz_shm_strategies import end_headers, shm_batch_headers
 from tests.fuzz_strategies import header_bytes, schema_dicts, trainer_recursion_limit
 from tests.hostile import wire

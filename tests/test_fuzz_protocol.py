@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import ConfigError, DropReason, ProtocolError
 from stagefeed.common.schema import (
@@ -36,7 +37,6 @@ from stagefeed.common.schema import (
 )
 from stagefeed.common.shm.layout import PoolAnnounce
 from stagefeed.common.shm.mapped import DESCRIPTOR_KEYS, Descriptor
-
 from tests.fuzz_shm_strategies import (
     announces,
     built,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+
 from stagefeed.common.schema import image_schema
 from stagefeed.consumer.graph import feed_graph
 from stagefeed.consumer.graph.alexnet import model_fn

@@ -14,10 +14,9 @@ import re
 
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason
-from stagefeed.common.ledger import MAX_ENTRIES, MAX_SEQ_AHEAD
 from stagefeed.common.schema import MAX_ARRAYS
+from stagefeed.consumer.books.ledger import MAX_ENTRIES, MAX_SEQ_AHEAD
 from stagefeed.consumer.intake.dispatch import MAX_LIVE_CONNECTIONS
-
 from tests.conftest import REPO
 
 

@@ -12,10 +12,10 @@ import threading
 
 import pytest
 import zmq
-from stagefeed.common import curve
-from stagefeed.common.errors import ConfigError
 
 from stagefeed import health
+from stagefeed.common import curve
+from stagefeed.common.errors import ConfigError
 from stagefeed.keygen import write_keys
 from tests.conftest import cli_env, free_tcp_port, run_cli
 

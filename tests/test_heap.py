@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 from stagefeed.consumer.memory import heap
-
 from tests.conftest import cli_env
 
 MIB = 2**20

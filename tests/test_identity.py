@@ -15,13 +15,13 @@ import threading
 
 import pytest
 import zmq
+
 from stagefeed.common import curve, protocol
 from stagefeed.common.curve import key_fingerprint
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.intake import Intake
-
 from stagefeed.keygen import write_keys
 from tests import procs
 from tests.conftest import TINY, wait_for

@@ -13,11 +13,12 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason, ProtocolError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.frames import receive_message
 from stagefeed.consumer.intake.intake import Intake
 
@@ -331,7 +332,7 @@ def test_only_a_producer_that_delivered_can_end_the_data(intake, caplog):
 def test_an_end_books_why_the_producer_left(intake, caplog):
     """A plain ``end`` is reason ok; ``source_error`` is booked with its detail and logged in
     one line naming the producer; an unknown reason is ``other``, its detail sanitised."""
-    caplog.set_level("INFO", logger="stagefeed.common.ledger")
+    caplog.set_level("INFO", logger="stagefeed.consumer.books.ledger")
     ok, bad, odd = _peer(intake), _peer(intake), _peer(intake)
     for sock, name in ((ok, "ok-p"), (bad, "bad-p"), (odd, "odd-p")):
         _hello(sock, name=name)

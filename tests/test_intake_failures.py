@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import zmq
+
 from stagefeed.common import protocol
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import MAX_SEQ, InputPosition, StreamPosition
-from stagefeed.common.shard_books import ShardBooks
+from stagefeed.consumer.books.ledger import Ledger
+from stagefeed.consumer.books.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
-
 from tests.test_intake import GOOD, SCHEMA, Recorder, _reply, _wait
 
 

@@ -7,8 +7,8 @@ import math
 import re
 
 import zmq
-from stagefeed.common import protocol
 
+from stagefeed.common import protocol
 from tests import procs
 from tests.conftest import TINY, free_tcp_port
 

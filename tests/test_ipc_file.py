@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import zmq
+
 from stagefeed.common.ipc_file import IpcFile
 
 

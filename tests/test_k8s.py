@@ -29,10 +29,10 @@ from typing import Any
 
 import pytest
 import yaml
-from stagefeed.common import tf_config
 
 from stagefeed import envflags
 from stagefeed.cli import build_parser
+from stagefeed.common import tf_config
 from tests import compose_local as cl
 from tests import k8s_render as k8s
 

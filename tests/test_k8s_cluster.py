@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import yaml
-from stagefeed.common import curve, tf_config
-from stagefeed.common.options import ProducerOptions
-from stagefeed.producer.worker import worker_info
 
 from stagefeed import envflags
 from stagefeed.cli import build_parser, producer_options
+from stagefeed.common import curve, tf_config
+from stagefeed.common.options import ProducerOptions
+from stagefeed.producer.worker import worker_info
 from stagefeed.producer_flags import endpoints
 from tests import k8s_render as k8s
 from tests.test_k8s import LOCAL_PRODUCERS, renderer_or_skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from stagefeed.common.errors import DropReason
-from stagefeed.common.ledger import (
+from stagefeed.consumer.books.ledger import (
     MAX_SEQ_AHEAD,
     UNIDENTIFIED,
     Ledger,
@@ -202,7 +202,7 @@ def test_a_sequence_number_before_the_connections_first_is_refused():
 
 def test_refused_hellos_are_logged_at_most_once_per_interval(caplog):
     ledger = Ledger()
-    with caplog.at_level("WARNING", logger="stagefeed.common.ledger"):
+    with caplog.at_level("WARNING", logger="stagefeed.consumer.books.ledger"):
         for i in range(50):
             ledger.refused(f"p{i}", "spec_mismatch", "images: ...")
     assert len([r for r in caplog.records if "refused producer" in r.message]) == 1

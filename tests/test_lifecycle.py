@@ -9,12 +9,12 @@ import threading
 import time
 
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import URGENT_S, Shutdown, on_stop_signals, stop_processes
 from stagefeed.common.options import ProducerOptions
 from stagefeed.common.schema import image_schema
 from stagefeed.producer.pool import Producers
-
 from tests.conftest import free_tcp_port, wait_for
 
 SPEC = image_schema(batch_size=2, image_size=8, num_classes=10)

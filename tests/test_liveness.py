@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 import zmq
+
 from stagefeed.common import liveness
 from stagefeed.common.errors import ClosedError
-
 from tests.conftest import REPO, free_tcp_port, wait_for
 from tests.standin_trainer import StandInTrainer
 from tests.test_fanout import SMALL, number, options

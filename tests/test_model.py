@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.consumer.graph import alexnet
 

@@ -2,15 +2,15 @@
 called and by an explicit mark, not by their required parameters: defaults are accepted
 (``build(schema=None)``, a marked ``model_fn(staged, schema=None)``), a callable that could be
 either or neither is refused in one line that names the fix, and a marked model_fn that
-returns a Keras model is refused at start (consumer/model_ref.py)."""
+returns a Keras model is refused at start (consumer/model_ref.py, consumer/trainers.py)."""
 
 from __future__ import annotations
 
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer import model_ref
-
+from stagefeed.consumer import model_ref, trainers
 from tests import regression_models
 from tests.conftest import run_cli
 
@@ -64,7 +64,7 @@ def _options(model: str) -> TrainerOptions:
     ("name", "trainer"), [("build_default", "KerasTrainer"), ("linear_fn_default", "Trainer")]
 )
 def test_defaults_build_and_start_the_trainer_of_their_kind(name, trainer):
-    started = model_ref.trainer(_options(M + name)).start()
+    started = trainers.trainer(_options(M + name)).start()
     try:
         assert type(started).__name__ == trainer
         assert started.endpoint.startswith("tcp://127.0.0.1:")
@@ -74,7 +74,7 @@ def test_defaults_build_and_start_the_trainer_of_their_kind(name, trainer):
 
 def test_a_marked_model_fn_that_returns_a_keras_model_is_refused_at_start():
     with pytest.raises(ConfigError) as refused:
-        model_ref.trainer(_options(M + "marked_graph_returns_a_model")).start()
+        trainers.trainer(_options(M + "marked_graph_returns_a_model")).start()
     message = str(refused.value)
     assert message.startswith(f"--model {M + 'marked_graph_returns_a_model'!r}: "), message
     assert "returned a Functional, not (loss, train_op); a Keras build? mark it" in message

@@ -12,16 +12,15 @@ import math
 import time
 
 import pytest
+
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import ObserveOptions, TrainerOptions
 from stagefeed.common.schema import image_schema
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.graph.trainer import Trainer
-from stagefeed.consumer.observe.figures import RunFacts, RunReader
 from stagefeed.consumer.observe.monitor import Monitor, unthrottled_producer_rate
 from stagefeed.consumer.observe.summary import format_text, summarize
-from stagefeed.consumer.trainer_base import StepRecord
-
+from stagefeed.consumer.run_facts import RunFacts, RunReader, StepRecord
 from tests.figures_util import BATCH_BYTES, window
 
 SPEC = image_schema(batch_size=2)

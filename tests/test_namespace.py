@@ -102,7 +102,7 @@ def test_every_package_folder_is_in_pyprojects_package_list():
 KERAS_RUN_MODULES = """
 import sys
 from stagefeed.common.options import TrainerOptions
-from stagefeed.consumer import model_ref
+from stagefeed.consumer import trainers
 from stagefeed.common.options import ObserveOptions
 from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.summary import format_text, summarize
@@ -112,7 +112,7 @@ options = TrainerOptions(
     bind="tcp://127.0.0.1:*", schema=SCHEMA, model="tests.regression_models:build"
 )
 monitor = Monitor(ObserveOptions())
-trainer = model_ref.trainer(options, [monitor]).start()
+trainer = trainers.trainer(options, [monitor]).start()
 trainer.close()
 format_text(summarize(trainer, None, 1.0, interrupted=True))
 graph_mode = "stagefeed.consumer.graph"  # the package: the feeding graph, its trainer, AlexNet
@@ -131,3 +131,41 @@ def test_a_keras_run_does_not_import_graph_mode():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+CUSTOM_LOOP_MODULES = """
+import sys
+import tensorflow as tf
+
+def keras_modules():
+    return {name for name in sys.modules if name == "keras" or name.startswith("keras.")}
+
+with_tensorflow = keras_modules()  # TensorFlow 2.21 imports Keras itself (tf.keras)
+import stagefeed
+from stagefeed.common.schema import image_schema
+from stagefeed.consumer.tf2.feed import Feed
+
+assert stagefeed.Feed is Feed
+feed = Feed(image_schema(batch_size=2), capacity=4, device="/cpu:0")
+feed.dataset(("images", "labels"))
+feed.close()
+print(sorted(keras_modules() - with_tensorflow))
+print(sorted(name for name in sys.modules if name.startswith("stagefeed.consumer.keras_fit")))
+print(bool(with_tensorflow))
+"""
+
+
+@pytest.mark.slow
+def test_a_custom_loop_with_feed_does_not_import_the_keras_path():
+    """A custom ``tf.function`` loop wants ``Feed`` and its dataset only: importing it through
+    ``stagefeed.Feed`` or its module, making one and its dataset load nothing of ``keras_fit``
+    (the callback, the model check: Keras' ``fit`` path) and no Keras module that TensorFlow
+    did not load itself. (TensorFlow 2.21's own import loads Keras, printed on the last line;
+    the Keras helpers of ``Feed`` are imported by the methods that return them.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", CUSTOM_LOOP_MODULES], capture_output=True, text=True,
+        timeout=120, cwd=REPO, env=cli_env(), check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    added_keras, keras_path, _ = done.stdout.splitlines()[-3:]
+    assert (added_keras, keras_path) == ("[]", "[]"), done.stdout

@@ -11,10 +11,10 @@ import time
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import image_schema
-
 from tests.conftest import cli_env, run_cli
 
 

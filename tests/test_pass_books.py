@@ -4,6 +4,7 @@ input position (``common.position``): plain objects, no processes."""
 from __future__ import annotations
 
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.position import InputPosition, StreamPosition
 from stagefeed.consumer.intake.passes import PassBooks, epoch_of

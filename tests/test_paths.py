@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.paths import check_writable_dir, check_writable_file
 

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import zmq
-from stagefeed.common.ledger import Ledger
-from stagefeed.consumer.intake.socket_events import THREAD_NAME, PeerMonitor
 
+from stagefeed.consumer.books.ledger import Ledger
+from stagefeed.consumer.intake.socket_events import THREAD_NAME, PeerMonitor
 from stagefeed.keygen import write_keys
 from tests.conftest import wait_for
 

@@ -1,15 +1,16 @@
 """The input position (``common/position.py``) and the trainer's per-shard books
-(``common/shard_books.py``, through the ``Ledger``): what was trained, not a guess; batches
+(``consumer/books/shard_books.py``, through the ``Ledger``): what was trained, not a guess; batches
 trained or in flight refused; the union of two workers' books; the welcome's position."""
 
 from __future__ import annotations
 
 import pytest
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import ConfigError, DropReason, ProtocolError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.position import InputPosition, StreamPosition, skip_of
-from stagefeed.common.shard_books import ShardBooks
+from stagefeed.consumer.books.ledger import Ledger
+from stagefeed.consumer.books.shard_books import ShardBooks
 
 
 def test_a_low_water_mark_plus_the_few_above_it_holds_out_of_order_training():

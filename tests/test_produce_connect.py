@@ -12,9 +12,9 @@ import json
 import re
 
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema
-
 from stagefeed.producer_flags import DEFAULT, endpoints
 from tests.conftest import cli_env, free_tcp_port, run_cli, wait_for
 from tests.standin_trainer import StandInTrainer

@@ -12,11 +12,11 @@ import threading
 import numpy as np
 import pytest
 import zmq
+
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema, SchemaMismatch
 from stagefeed.producer.channel import TrainerChannel
-
 from tests.conftest import wait_for
 from tests.standin_trainer import StandInTrainer
 

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import MAX_UNSENT, MIB, ProducerOptions

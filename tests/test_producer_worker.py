@@ -9,13 +9,13 @@ import threading
 
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.producer.pool import Producers
 from stagefeed.producer.sources import WorkerInfo
 from stagefeed.producer.worker import produce
-
 from tests.conftest import wait_for
 from tests.standin_trainer import StandInTrainer
 

@@ -12,10 +12,10 @@ import sys
 
 import psutil
 import pytest
-from stagefeed.common.options import ProducerOptions
-from stagefeed.common.schema import ArraySpec, Schema
 
 import stagefeed
+from stagefeed.common.options import ProducerOptions
+from stagefeed.common.schema import ArraySpec, Schema
 from tests import procs
 from tests.conftest import REPO, cli_env, wait_for
 from tests.standin_trainer import StandInTrainer

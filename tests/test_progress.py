@@ -9,6 +9,7 @@ import subprocess
 import threading
 
 import pytest
+
 from stagefeed.consumer.observe.progress import (
     CLEAR_LINE,
     TTY_INTERVAL_S,
@@ -16,7 +17,6 @@ from stagefeed.consumer.observe.progress import (
     format_line,
     size_text,
 )
-
 from tests.conftest import REPO, TINY, cli, cli_env
 from tests.figures_util import window
 

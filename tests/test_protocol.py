@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.schema import ALLOWED_DTYPES, image_schema

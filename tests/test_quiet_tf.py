@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from stagefeed.consumer.quiet_tf import StartupLineFilter, filtered_stderr, min_log_level
 
 NOTICE = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"

@@ -177,11 +177,11 @@ def test_a_cluster_worker_refuses_a_producer_with_passes(monkeypatch):
     """A pass ends when every shard ended it, and a cluster worker sees only its own shards:
     the hello of a source with passes is refused (reason ``shard``), saying why."""
     import zmq
-    from stagefeed.common import protocol
-    from stagefeed.common.ledger import Ledger
-    from stagefeed.common.options import TrainerOptions
-    from stagefeed.consumer.intake.intake import Intake
 
+    from stagefeed.common import protocol
+    from stagefeed.common.options import TrainerOptions
+    from stagefeed.consumer.books.ledger import Ledger
+    from stagefeed.consumer.intake.intake import Intake
     from tests.resume_models import SCHEMA
 
     monkeypatch.setenv("TF_CONFIG", cluster_config(1, distinct_ports(WORKERS)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.consumer.run_end import Ending, RunEnd
 

@@ -14,9 +14,9 @@ import sys
 
 import pytest
 import tensorflow as tf
-from stagefeed.common.errors import ConfigError
 
 from stagefeed.cli import build_parser, trainer_options
+from stagefeed.common.errors import ConfigError
 from tests.conftest import cli_env, run_cli
 
 REGRESSION = [

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import os
 
+from stagefeed import loopback
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
-
-from stagefeed import loopback
 from tests.conftest import TINY, cli_env, run_cli
 
 RUN = ["run", *TINY, "--steps", "2", "--producers", "1"]

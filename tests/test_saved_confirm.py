@@ -14,13 +14,13 @@ import threading
 
 import pytest
 import zmq
+
 from stagefeed.common import protocol
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition
-from stagefeed.common.shard_books import ShardBooks
+from stagefeed.consumer.books.ledger import Ledger
+from stagefeed.consumer.books.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
-
 from tests.test_intake import GOOD, SCHEMA, Recorder, _holds_within, _reply, _wait
 
 # Resumed from a checkpoint that holds all of shard 0 (3 batches) and batch 0 of shard 1.

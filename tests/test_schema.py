@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import (
     DEFAULT_SCHEMA,

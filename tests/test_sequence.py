@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from stagefeed.common.sequence import WINDOW, SequenceTracker
+from stagefeed.consumer.books.sequence import WINDOW, SequenceTracker
 
 
 def test_in_order_stream_has_no_gaps_or_duplicates():

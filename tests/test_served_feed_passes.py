@@ -15,9 +15,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from stagefeed.common.errors import ConfigError
 
 from stagefeed import ServedFeed, TrainerOptions
+from stagefeed.common.errors import ConfigError
 from tests.conftest import free_tcp_port
 from tests.procs import log_text
 from tests.run_length_models import BATCH, PER_PASS, ROWS, SCHEMA, keras_counter

@@ -12,9 +12,9 @@ import json
 import re
 
 import pytest
+
 from stagefeed.common.options import ProducerOptions
 from stagefeed.producer.pool import Producers
-
 from tests import procs
 
 pytestmark = pytest.mark.slow

@@ -13,12 +13,12 @@ import time
 
 import pytest
 import zmq
-from stagefeed.common import protocol
-from stagefeed.common.ledger import Ledger
-from stagefeed.common.options import TrainerOptions
-from stagefeed.common.shard_books import ShardBooks
-from stagefeed.consumer.intake.intake import Intake
 
+from stagefeed.common import protocol
+from stagefeed.common.options import TrainerOptions
+from stagefeed.consumer.books.ledger import Ledger
+from stagefeed.consumer.books.shard_books import ShardBooks
+from stagefeed.consumer.intake.intake import Intake
 from tests import resume_models
 from tests.procs import log_text
 from tests.test_intake import GOOD, SCHEMA, Recorder, _reply, _wait

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from stagefeed.cli import build_parser
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import ProducerOptions
 from stagefeed.common.position import MAX_SHARDS
 from stagefeed.producer.worker import worker_info
-
-from stagefeed.cli import build_parser
 from tests.conftest import cli_env, free_tcp_port, run_cli
 from tests.procs import log_text
 from tests.resume_models import counts_in, miscounted, stream

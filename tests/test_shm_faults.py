@@ -19,12 +19,12 @@ import time
 
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.shm.fd_passing import FdChannel, FdListener, accept_pool, offer_pool
 from stagefeed.common.shm.layout import PoolAnnounce, SlotLayout
 from stagefeed.common.shm.mapped import Descriptor, MappedPool
 from stagefeed.common.shm.slots import SlotPool, reserve
-
 from tests.conftest import REPO, cli_env
 
 MIB = 2**20

@@ -18,6 +18,7 @@ import threading
 import msgpack
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.shm.fd_passing import (
     MAX_MESSAGE_BYTES,
@@ -29,7 +30,6 @@ from stagefeed.common.shm.fd_passing import (
 from stagefeed.common.shm.layout import SlotLayout
 from stagefeed.common.shm.mapped import Descriptor
 from stagefeed.common.shm.slots import SlotPool
-
 from tests.conftest import REPO, cli_env
 
 LAYOUT = SlotLayout.of([("x", np.uint8, (4096,)), ("y", np.int64, (4,))])

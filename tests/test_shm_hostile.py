@@ -20,12 +20,12 @@ import time
 import numpy as np
 import pytest
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.shm.fd_passing import FdChannel, offer_pool
 from stagefeed.common.shm.layout import F_ADD_SEALS, F_SEAL_GROW, F_SEAL_SHRINK, SlotLayout
 from stagefeed.common.shm.slots import SlotPool, reserve
-
 from tests import procs, shm_procs
 from tests.conftest import REPO, cli, cli_env, wait_for
 from tests.shm_canary import SCHEMA

@@ -18,9 +18,9 @@ import socket
 
 import msgpack
 import pytest
+
 from stagefeed.common.shm.layout import SlotLayout
 from stagefeed.common.shm.slots import SlotPool
-
 from tests import test_shm_hostile
 from tests.shm_canary import SCHEMA
 from tests.test_shm_hostile import Live, Peer, counted

@@ -10,15 +10,15 @@ import logging
 
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import BrokenError, ClosedError, ConfigError, DropReason, ProtocolError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.common.shm.sizing import pool_slots
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.shm_config import default_socket_path
 from stagefeed.consumer.intake.shm_gate import ShmGate
 from stagefeed.producer.shm_lane import ShmLane, ShmOffer
-
 from tests.conftest import wait_for
 
 SCHEMA = Schema((ArraySpec("x", "float32", (16,)), ArraySpec("y", "int64")), batch_size=4)

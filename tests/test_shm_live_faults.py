@@ -14,8 +14,8 @@ import signal
 
 import numpy as np
 import pytest
-from stagefeed.common.shm.layout import WRITING, SlotLayout, header_words
 
+from stagefeed.common.shm.layout import WRITING, SlotLayout, header_words
 from tests import procs, shm_procs
 from tests.conftest import cli_env, wait_for
 from tests.shm_canary import SCHEMA

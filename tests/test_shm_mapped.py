@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.shm.layout import (
     F_ADD_SEALS,
@@ -23,7 +24,6 @@ from stagefeed.common.shm.layout import (
 )
 from stagefeed.common.shm.mapped import Descriptor, MappedPool, PoolTable
 from stagefeed.common.shm.slots import SlotPool, reserve
-
 from tests.shm_pairs import OWNER, SMALL, Released, publish
 
 

@@ -16,6 +16,7 @@ import threading
 import msgpack
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import ClosedError, ConfigError, ProtocolError
 from stagefeed.common.shm.layout import (
     F_GET_SEALS,
@@ -28,7 +29,6 @@ from stagefeed.common.shm.layout import (
 from stagefeed.common.shm.mapped import Descriptor
 from stagefeed.common.shm.sizing import slots_needed, slots_per_pool
 from stagefeed.common.shm.slots import SlotPool
-
 from tests.shm_pairs import ODD, SMALL, publish
 
 

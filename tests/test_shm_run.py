@@ -14,8 +14,8 @@ import sys
 
 import psutil
 import pytest
-from stagefeed.common.shm.sizing import pool_slots
 
+from stagefeed.common.shm.sizing import pool_slots
 from stagefeed.keygen import write_keys
 from tests import procs
 from tests.conftest import REPO, TINY, cli_env, free_tcp_port, run_cli

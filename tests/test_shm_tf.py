@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 import pytest
+
 from stagefeed.common.shm.layout import SlotLayout
 from stagefeed.common.shm.mapped import Descriptor, MappedPool
 from stagefeed.common.shm.slots import SlotPool
-
 from tests.conftest import REPO, cli_env
 
 SHAPE = (256, 1024)  # 1 MiB of float32

@@ -25,9 +25,9 @@ import time
 import psutil
 import pytest
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.schema import image_schema
-
 from tests import procs
 from tests.conftest import TINY, free_tcp_port, wait_for
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.schema import ArraySpec, Schema, SchemaMismatch, image_schema
 from stagefeed.producer.buffers import ALIGN

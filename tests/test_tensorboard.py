@@ -10,21 +10,15 @@ import threading
 
 import pytest
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import ObserveOptions
 from stagefeed.common.schema import image_schema
-from stagefeed.consumer.observe.figures import (
-    RunFacts,
-    RunReader,
-    StepCounters,
-    figures_between,
-    take_snapshot,
-)
+from stagefeed.consumer.books.ledger import Ledger
+from stagefeed.consumer.observe.figures import StepCounters, figures_between, take_snapshot
 from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.tensorboard import TensorBoardWriter
-from stagefeed.consumer.trainer_base import StepRecord
-
+from stagefeed.consumer.run_facts import RunFacts, RunReader, StepRecord
 from tests.conftest import TINY, run_cli
 
 SPEC = image_schema(batch_size=2)

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+
 from stagefeed.common import tf_config
 from stagefeed.common.errors import ConfigError
-
 from tests.conftest import REPO, cli_env
 
 

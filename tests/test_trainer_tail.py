@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema

@@ -8,8 +8,8 @@ import logging
 import re
 
 import pytest
-from stagefeed.consumer.wait_line import WaitLine
 
+from stagefeed.consumer.wait_line import WaitLine
 from tests.conftest import free_tcp_port, wait_for
 
 LINE = r"waiting for data for (\d+) s \((\d+) producers seen, listening on (\S+)\)"
@@ -58,9 +58,8 @@ def test_a_keras_train_with_no_producer_says_what_it_waits_for(start_cli):
 def test_a_served_feed_with_no_producer_says_what_it_waits_for(caplog):
     """The Python API's feed is not silent either: its watcher says the line while nothing
     arrives (before: a user's program waiting for producers logged nothing)."""
-    from stagefeed.common.schema import image_schema
-
     from stagefeed import ServedFeed, TrainerOptions
+    from stagefeed.common.schema import image_schema
 
     options = TrainerOptions(bind=f"tcp://127.0.0.1:{free_tcp_port()}",
                              schema=image_schema(batch_size=2), wait_log_s=0.5)  # fmt: skip

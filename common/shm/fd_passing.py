@@ -32,6 +32,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import msgpack
+
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.ipc_file import unlink_if_ours

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
 from stagefeed.common.errors import ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.options import MIB

@@ -32,6 +32,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import numpy as np
+
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
 from stagefeed.common.shm.layout import (

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.shm.layout import (
     COMMITTED,

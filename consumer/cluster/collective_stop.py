@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+
 from stagefeed.consumer.run_end import Ending, Verdict
 
 log = logging.getLogger(__name__)

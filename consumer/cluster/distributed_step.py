@@ -32,6 +32,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 
 

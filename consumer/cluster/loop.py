@@ -35,6 +35,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+
 from stagefeed.common.errors import BrokenError
 from stagefeed.consumer.cluster.collective_stop import ClusterVerdict, CollectiveStop
 from stagefeed.consumer.cluster.distributed_step import DistributedStep

@@ -25,7 +25,7 @@ from typing import Any
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.position import InputPosition
-from stagefeed.common.shard_books import ShardBooks
+from stagefeed.consumer.books.shard_books import ShardBooks
 from stagefeed.consumer.cluster.shared_state import broadcast_bytes, gather_bytes
 from stagefeed.consumer.cluster.strategy import Cluster
 from stagefeed.consumer.resume import Resume

@@ -1,7 +1,7 @@
 """One worker of a ``MultiWorkerMirroredStrategy`` cluster, trained from its own feed.
 
 ``stagefeed train`` with a Keras ``--model`` runs this trainer when ``TF_CONFIG`` names a
-cluster (``consumer.model_ref.trainer``); graph mode is refused there in one line. Keras 3's
+cluster (``consumer.trainers.trainer``); graph mode is refused there in one line. Keras 3's
 ``fit`` fails under the strategy (docs/scaling.md, keras-team/keras#20585), so the worker
 trains with the cluster loop (``consumer.cluster.loop``): the compiled model's own loss,
 optimizer and metrics in a distributed step, one collective vote per step so that every
@@ -51,7 +51,7 @@ from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
 from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd
-from stagefeed.consumer.trainer_base import StepObserver, StepRecord
+from stagefeed.consumer.run_facts import StepObserver, StepRecord
 from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)

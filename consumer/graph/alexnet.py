@@ -19,6 +19,7 @@ so its ratios are unaffected; the clip adds one global-norm reduction per step.
 from __future__ import annotations
 
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
 

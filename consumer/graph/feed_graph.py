@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+
 from stagefeed.common.options import MIB
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.cast import cast_arrays

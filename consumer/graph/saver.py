@@ -18,6 +18,7 @@ import glob
 import os
 
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.consumer.checkpoints import ModelFormat
 

@@ -1,6 +1,6 @@
 """The graph-mode trainer: intake + feeding graph + the train loop that measures its own stalls.
 
-Step records and observers are ``consumer.trainer_base``' (shared with the Keras trainer; public
+Step records and observers are ``consumer.run_facts``' (shared with the Keras trainer; public
 as ``stagefeed.StepRecord`` and ``stagefeed.StepObserver``).
 """
 
@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
+
 from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import model_ref
@@ -23,7 +24,8 @@ from stagefeed.consumer.graph.saver import saver_format
 from stagefeed.consumer.intake.intake import Intake
 from stagefeed.consumer.memory import malloc_policy
 from stagefeed.consumer.run_end import Ending, RunEnd
-from stagefeed.consumer.trainer_base import StepObserver, StepRecord, TrainerBase
+from stagefeed.consumer.run_facts import StepObserver, StepRecord
+from stagefeed.consumer.trainer_base import TrainerBase
 from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ shards by mistake meet the same rules as a hostile peer.
   ``shard_end`` (counted, logged throttled) and books nothing about the shard.
 
 - The count: a hello settles no shard count; the first batch does (``settle``: the
-  ``ShardBooks`` and ``PassBooks`` of common/shard_books.py and consumer/intake/passes.py). A
-  batch of a connection whose hello named another count is dropped (``shard``) and the
-  producer refused.
+  ``ShardBooks`` and ``PassBooks`` of consumer/books/shard_books.py and
+  consumer/intake/passes.py). A batch of a connection whose hello named another count is
+  dropped (``shard``) and the producer refused.
 
 ``Shards`` applies these rules for ``consumer.intake.dispatch``. The intake thread is the only
 caller; nothing here is thread-safe.
@@ -31,10 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason, ProtocolError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.throttle import LogThrottle
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.connections import Connection, Connections
 from stagefeed.consumer.intake.frames import reply
 from stagefeed.consumer.intake.passes import PassBooks

@@ -25,14 +25,15 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+
 from stagefeed.common import protocol, tf_config
 from stagefeed.common.curve import key_fingerprint
 from stagefeed.common.errors import DropReason, ProtocolError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import MAX_SEQ
 from stagefeed.common.schema import Schema, schema_difference
 from stagefeed.common.throttle import LogThrottle
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.claims import Shards
 from stagefeed.consumer.intake.connections import Connection, Connections
 from stagefeed.consumer.intake.frames import reply

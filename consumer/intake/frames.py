@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.errors import DropReason, ProtocolError
 

@@ -37,13 +37,14 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+
 from stagefeed.common import liveness
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.ipc_file import IpcFile
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import MIB, TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, Schema
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.availability import Availability
 from stagefeed.consumer.intake.dispatch import Dispatch, Handoff
 from stagefeed.consumer.intake.frames import receive_message

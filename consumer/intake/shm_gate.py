@@ -45,7 +45,6 @@ from typing import Any
 from stagefeed.common import protocol
 from stagefeed.common.errors import BrokenError, ConfigError, DropReason, ProtocolError
 from stagefeed.common.excerpt import excerpt
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import Schema
@@ -54,6 +53,7 @@ from stagefeed.common.shm.layout import MIB, PoolAnnounce, SlotLayout
 from stagefeed.common.shm.mapped import Descriptor, MappedPool, PoolTable
 from stagefeed.common.shm.sizing import PoolSizing
 from stagefeed.common.throttle import LogThrottle
+from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.shm_config import default_socket_path
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import zmq
 import zmq.utils.monitor
-from stagefeed.common.ledger import Ledger
+
 from stagefeed.common.throttle import LogThrottle
+from stagefeed.consumer.books.ledger import Ledger
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import keras
+
 from stagefeed.common.schema import ArraySpec
 
 if TYPE_CHECKING:

@@ -39,6 +39,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.cast import cast_arrays

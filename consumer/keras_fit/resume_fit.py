@@ -23,6 +23,7 @@ import zipfile
 from collections.abc import Callable
 
 import keras
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer.checkpoints import ModelFormat

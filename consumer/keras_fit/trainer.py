@@ -43,6 +43,7 @@ from typing import Any
 
 import keras
 import numpy as np
+
 from stagefeed.common.errors import ConfigError, NonFiniteLoss
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
@@ -61,8 +62,9 @@ from stagefeed.consumer.keras_fit.resume_fit import (
     restore_iterations,
 )
 from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
+from stagefeed.consumer.run_facts import StepObserver, StepRecord
 from stagefeed.consumer.tf2.served_feed import ServedFeed
-from stagefeed.consumer.trainer_base import StepObserver, StepRecord, TrainerBase
+from stagefeed.consumer.trainer_base import TrainerBase
 from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Observers see a run through two narrow things, never the trainer: ``RunFacts`` (fixed for the
 run: batch size and bytes, queue capacity, device) and a ``RunReader`` (the queue fill now and
-one typed read of the ledger's books).
+one typed read of the ledger's books), both in ``consumer.run_facts``.
 
 The train loop's per-step cost is ``StepCounters.add``: a lock and a few additions, no TF call
 and no ledger read. Everything else (ledger reads, rates, per-producer figures) happens when a
@@ -18,34 +18,10 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from stagefeed.common.ledger import Books
 from stagefeed.common.options import MIB
-
-if TYPE_CHECKING:
-    from stagefeed.consumer.trainer_base import StepRecord
-
-
-@dataclasses.dataclass(frozen=True)
-class RunFacts:
-    """What the observers know of a run and that never changes while it runs."""
-
-    device: str  # where the step runs: /cpu:0, /gpu:0
-    batch_size: int
-    batch_bytes: int  # one batch as it travels
-    wire_dtype: str  # of the largest array on the wire
-    queue_capacity: int  # FIFOQueue capacity, batches
-    steps_planned: int = 0  # warm-up + timed steps; 0: until stopped
-
-
-@dataclasses.dataclass(frozen=True)
-class RunReader:
-    """The live reads observers may make, each thread-safe and cheap (no TensorFlow call)."""
-
-    queue_batches: Callable[[], int]  # FIFOQueue fill now (a lower bound)
-    books: Callable[[], Books]  # the ledger's counters, one consistent read (``Ledger.read``)
+from stagefeed.consumer.books.ledger import Books
+from stagefeed.consumer.run_facts import RunFacts, RunReader, StepRecord
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,8 +30,6 @@ from stagefeed.common.stats import percentile
 from stagefeed.consumer.observe.advice import Advice, advise
 from stagefeed.consumer.observe.figures import (
     Figures,
-    RunFacts,
-    RunReader,
     Snapshot,
     StepCounters,
     empty_snapshot,
@@ -39,9 +37,10 @@ from stagefeed.consumer.observe.figures import (
     take_snapshot,
 )
 from stagefeed.consumer.observe.progress import Progress
+from stagefeed.consumer.run_facts import RunFacts, RunReader
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.trainer_base import StepRecord
+    from stagefeed.consumer.run_facts import StepRecord
 
 log = logging.getLogger("stagefeed.monitor")
 

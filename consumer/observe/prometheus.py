@@ -32,10 +32,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.consumer.memory import heap
-from stagefeed.consumer.observe.figures import RunFacts, Snapshot
+from stagefeed.consumer.observe.figures import Snapshot
+from stagefeed.consumer.run_facts import RunFacts
 
 log = logging.getLogger(__name__)
 

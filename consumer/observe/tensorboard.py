@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.consumer.observe.figures import Figures, Snapshot
 
 if TYPE_CHECKING:
-    from stagefeed.consumer.trainer_base import StepRecord
+    from stagefeed.consumer.run_facts import StepRecord
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import MIB
 from stagefeed.common.schema import Schema, SchemaMismatch

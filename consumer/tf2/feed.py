@@ -8,6 +8,10 @@ A sketch of use (docs/tf2.md has the full story)::
               callbacks=[feed.callback()])
     feed.close()
 
+Keras' ``fit`` path (``consumer.keras_fit``: the callback, the cast layer, the model check) is
+imported by the methods that return or run it, so a custom loop that only wants the feed and
+its dataset loads none of it.
+
 Lifecycle: create eagerly (outside ``tf.function``) -> ``dataset()`` once -> train, booking
 each step (``callback()`` with ``fit``; ``books.step_done()`` in a custom loop) -> ``close()``
 (idempotent: blocked enqueues return False, the dataset ends once the queue is drained).
@@ -16,16 +20,15 @@ each step (``callback()`` with ``fit``; ``books.step_done()`` in a custom loop) 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import keras
 import numpy as np
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import check_stage_depth
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.cast import cast_arrays
-from stagefeed.consumer.keras_fit.callback import FeedCallback, cast_layer
 from stagefeed.consumer.tf2 import pipeline
 from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
 from stagefeed.consumer.tf2.pass_gate import PassGate
@@ -36,6 +39,11 @@ from stagefeed.consumer.tf2.step_books import (
     StepBooks,
     TrainedStep,
 )
+
+if TYPE_CHECKING:
+    import keras
+
+    from stagefeed.consumer.keras_fit.callback import FeedCallback
 
 # Room in the dequeue log beyond the queue: buffers hold at most a few batches per replica.
 LOG_HEADROOM = 4096
@@ -143,12 +151,16 @@ class Feed:
         """A built-in Keras layer doing array ``name``'s cast/scale inside the model."""
         if name not in self.schema.names:
             raise ConfigError(f"no array {name!r:.40} in the schema {list(self.schema.names)}")
+        from stagefeed.consumer.keras_fit.callback import cast_layer
+
         return cast_layer(self.schema[name])
 
     def callback(self, prefix: str = "stagefeed_", *, check_model: bool = True) -> FeedCallback:
         """A Keras callback booking each step and adding the feed's figures to the logs; at
         ``fit``'s start it runs ``check_model`` on the model (``check_model=False``: the
         caller has checked it)."""
+        from stagefeed.consumer.keras_fit.callback import FeedCallback
+
         return FeedCallback(self, prefix, check_model)
 
     def figures(self) -> BooksFigures:

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import tensorflow as tf
+
 from stagefeed.common.lifecycle import join_threads
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
+
 from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import check_stage_depth
 from stagefeed.common.schema import Schema

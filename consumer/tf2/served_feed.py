@@ -48,12 +48,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import tensorflow as tf
+
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.ledger import Ledger
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition
-from stagefeed.common.shard_books import ShardBooks
+from stagefeed.consumer.books.ledger import Ledger
+from stagefeed.consumer.books.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
 from stagefeed.consumer.memory import malloc_policy
 from stagefeed.consumer.run_end import Ending, RunEnd, finished_because

@@ -32,6 +32,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 import tensorflow as tf
+
 from stagefeed.consumer.devices import HOST
 from stagefeed.consumer.tf2.eager_queue import EagerQueueFeed
 

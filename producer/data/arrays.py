@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.producer.data.records import Field, field_of
 

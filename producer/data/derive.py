@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from stagefeed.common.data_ref import DataRef
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 import numpy as np
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
 from stagefeed.producer.data.records import BadRecord, Field, field_of

@@ -15,6 +15,7 @@ import struct
 import zipfile
 
 import numpy as np
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.producer.data.arrays import ArrayRecords
 

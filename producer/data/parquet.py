@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import Schema
 from stagefeed.producer.data.records import BadRecord, Field, dtype_name

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import DTYPES, ArraySpec, Schema
 

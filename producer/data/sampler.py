@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from stagefeed.common.errors import ConfigError
 
 

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
 from stagefeed.common.data_ref import ON_BAD_RECORD
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import SHORT_BATCH

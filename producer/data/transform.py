@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.refs import import_ref
 

@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.schema import Schema
-
 from tests.hostile.peers import Peer
 from tests.hostile.wire import control, valid_arrays
 

@@ -7,9 +7,9 @@ import threading
 import time
 
 import zmq
+
 from stagefeed.common import protocol
 from stagefeed.common.schema import Schema
-
 from tests.hostile.peers import Peer
 from tests.hostile.wire import valid_arrays
 
@@ -22,9 +22,9 @@ def stop_with_batch_in_flight() -> int:
     shutdown does, late). Prints how long ``close()`` took; exits 0 if the process survived
     it and the intake thread ended.
     """
-    from stagefeed.common.ledger import Ledger
     from stagefeed.common.options import TrainerOptions
     from stagefeed.common.schema import ArraySpec
+    from stagefeed.consumer.books.ledger import Ledger
     from stagefeed.consumer.intake.intake import Intake
 
     schema = Schema((ArraySpec("x", "float32", (3,)),), 2)

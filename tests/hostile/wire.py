@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 import msgpack_numpy
 import numpy as np
+
 from stagefeed.common import protocol
 from stagefeed.common.schema import Schema
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stagefeed.common.schema import MAX_ARRAYS, MAX_NAME_LEN
 
+from stagefeed.common.schema import MAX_ARRAYS, MAX_NAME_LEN
 from tests.hostile import wire
 from tests.hostile_input.harness import H, W, check_cases, one
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 import zmq
-from stagefeed.common import protocol
 
+from stagefeed.common import protocol
 from tests import procs
 from tests.conftest import wait_for
 from tests.hostile import wire
@@ -177,9 +177,9 @@ def test_seq_far_before_the_window_is_seq_range(target, peer):
 
 def test_idle_connections_cannot_hoard_the_credit_pool():
     """In-process intake (the credit pool is the thing under test); hoarders come first."""
-    from stagefeed.common.ledger import Ledger
     from stagefeed.common.options import TrainerOptions
     from stagefeed.common.schema import ArraySpec, Schema
+    from stagefeed.consumer.books.ledger import Ledger
     from stagefeed.consumer.intake.intake import Intake
 
     schema = Schema((ArraySpec("x", "float32", (3,)),), 2)

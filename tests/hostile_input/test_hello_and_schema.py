@@ -9,8 +9,8 @@ import time
 
 import msgpack
 import pytest
-from stagefeed.common.schema import image_schema
 
+from stagefeed.common.schema import image_schema
 from tests import procs
 from tests.hostile import wire
 from tests.hostile.peers import Peer
@@ -114,7 +114,7 @@ def test_refused_hellos_do_not_flood_the_log(target):
     for p in peers:
         require(p.wait(lambda p=p: bool(p.refusals)), "a forged hello got no refusal")
     # The trainer books a refusal, and logs it unless the log is throttled, before it replies
-    # (common/ledger.py Ledger.refused): with every reply in, all 50 had their chance.
+    # (consumer/books/ledger.py Ledger.refused): with every reply in, all 50 had their chance.
     assert refusal_count(target.metrics(), "spec_mismatch") == refused_before + 50
     assert lines() - before <= 5
 

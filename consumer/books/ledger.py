@@ -22,12 +22,12 @@ import threading
 import time
 from collections.abc import Iterable
 
-from stagefeed.common.books import Books, ProducerTotals, Totals
 from stagefeed.common.errors import DropReason
 from stagefeed.common.options import MIB
-from stagefeed.common.sequence import SequenceTracker
-from stagefeed.common.shard_books import ShardBooks
 from stagefeed.common.throttle import LogThrottle
+from stagefeed.consumer.books.books import Books, ProducerTotals, Totals
+from stagefeed.consumer.books.sequence import SequenceTracker
+from stagefeed.consumer.books.shard_books import ShardBooks
 
 log = logging.getLogger(__name__)
 __all__ = ["Books", "Ledger", "ProducerStats", "ProducerTotals", "Totals"]
@@ -53,7 +53,7 @@ class ProducerStats:
     first_seen: float
     key: str = ""  # in the summary and the metrics: fixed at open, unique among open entries
     session: str | None = None  # the producer run's secret token: links its connections
-    shard: int | None = None  # the stream it says it carries (resume; common.shard_books)
+    shard: int | None = None  # the stream it says it carries (resume; consumer.books.shard_books)
     last_seen: float = 0.0  # its last valid batch
     first_batch_at: float | None = None  # its first valid batch
     received: int = 0

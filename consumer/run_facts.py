@@ -1,0 +1,56 @@
+"""What a trainer tells its observers, and all they may read of its run: the contract between
+the trainers (``consumer.trainer_base`` and the three kinds) and ``consumer.observe``.
+
+A ``StepRecord`` for each step, given to every ``StepObserver`` on the train loop; the run's
+``RunFacts`` (fixed while it runs) and a ``RunReader`` (the queue fill now and one typed read of
+the ledger's books). Observers get these, never the trainer. Below both sides: it imports only
+the books.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+from stagefeed.consumer.books.books import Books
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One train step. ``wait_s``: time the step waited for a batch before it could run."""
+
+    step: int  # 1-based, warm-up steps included
+    timed: bool  # False for warm-up steps
+    wait_s: float
+    step_s: float
+    loss: float
+    queue_batches: int  # batches in the FIFOQueue when the step started
+    at: float  # time.monotonic() at the end of the step
+
+
+class StepObserver(Protocol):
+    """Told of each step on the train loop (keep it short). Observers that need more than the
+    record are given the trainer's ``facts`` and ``reader``, never the trainer."""
+
+    def on_step(self, record: StepRecord) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What the observers know of a run and that never changes while it runs."""
+
+    device: str  # where the step runs: /cpu:0, /gpu:0
+    batch_size: int
+    batch_bytes: int  # one batch as it travels
+    wire_dtype: str  # of the largest array on the wire
+    queue_capacity: int  # FIFOQueue capacity, batches
+    steps_planned: int = 0  # warm-up + timed steps; 0: until stopped
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReader:
+    """The live reads observers may make, each thread-safe and cheap (no TensorFlow call)."""
+
+    queue_batches: Callable[[], int]  # FIFOQueue fill now (a lower bound)
+    books: Callable[[], Books]  # the ledger's counters, one consistent read (``Ledger.read``)
