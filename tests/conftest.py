@@ -143,15 +143,26 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
     return predicate()
 
 
+# Modules (or packages) whose tests share a started process through a module-, package- or
+# session-scoped fixture: kept on one xdist worker. ``test_conftest_groups`` fails when a test
+# file with such a fixture is missing here.
+SHARED_PROCESS_GROUPS = frozenset({
+    "hostile_input", "test_dataset_mirrored.py", "test_faults.py", "test_fuzz_intake.py",
+    "test_k8s.py", "test_shm_hostile.py", "test_signals.py", "test_state_files.py",
+})  # fmt: skip
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Keep what shares a started process on one xdist worker (``make test`` runs two, with
     ``--dist loadgroup``): a module's tests share its module-scoped trainers, and a package's
-    (``hostile_input/``) share one trainer and run in the order its conftest sets. Without
-    xdist the mark does nothing."""
+    (``hostile_input/``) share one trainer and run in the order its conftest sets. Every
+    other test goes to whichever worker is free (a whole module on one worker left the other
+    idle at the end of the run). Without xdist the mark does nothing."""
     tests = os.path.join(REPO, "tests")
     for item in items:
         top = os.path.relpath(str(item.path), tests).split(os.sep)[0]
-        item.add_marker(pytest.mark.xdist_group(top))
+        if top in SHARED_PROCESS_GROUPS:
+            item.add_marker(pytest.mark.xdist_group(top))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
