@@ -118,6 +118,7 @@ class RunEnd:
         self._lock = threading.Lock()
         self._verdict = RUNNING
         self._gone_at: float | None = None
+        self._gone_because = ""  # the producers' ``ClosedError``: why their intake is over
         self._ended_at: float | None = None  # since when ``data_ended`` holds
         self._source_failed_at: float | None = None
 
@@ -138,10 +139,11 @@ class RunEnd:
         for check in self.checks:
             try:
                 check()
-            except ClosedError as exc:  # every producer process ended: drain after a grace
+            except ClosedError as exc:  # producers ended (or a source failed): drain after a grace
                 if self._gone_at is None:
                     self._gone_at = self.clock()
-                    log.info("%s: training what they delivered", exc)
+                    self._gone_because = str(exc)
+                    log.info("%s: training what was delivered", exc)
             except ConfigError as exc:  # a producer's source: train its good batches first
                 if self._source_failed_at is None:
                     self._source_failed_at = self.clock()
@@ -160,7 +162,7 @@ class RunEnd:
         elif self._ended_at is None or self.clock() - self._ended_at >= self.end_grace_s:
             return Verdict(Ending.DRAIN, "every producer's data ended", data_ended=True)
         if self._gone_at is not None and self.clock() - self._gone_at >= self.gone_grace_s:
-            return Verdict(Ending.DRAIN, "every producer process ended")
+            return Verdict(Ending.DRAIN, self._gone_because)
         return RUNNING
 
     def _raise_to(self, verdict: Verdict) -> None:

@@ -253,18 +253,28 @@ def pool_check(
     ``pool.wait(0)``. If every producer ended cleanly, ``ended("all producers ended")``:
     ``BrokenError`` where producers are meant to run until stopped (the benchmarks), or
     ``ClosedError`` where they may finish first (``stagefeed run --max-batches``: the launcher).
-    While any producer is alive the check costs one ``is_alive()`` per process.
+    While any producer is alive the check costs one ``is_alive()`` per process and a read of
+    their reports.
 
     ``ends_grace_s``: when every worker said ``end`` before it exited (its data ended, or its
     source failed after delivering what it made), the check stays quiet that long, so that
     the trainer's own rule (``consumer.run_end``) sees the data end and trains the tail
     first; the caller reports a failed worker after training (docs/guarantees.md, "When the
     data ends"). A worker that died without its ``end`` is raised at once.
+
+    A worker whose source failed after it delivered what it made (its report says ``failed``
+    and its ``end`` went out) ends the intake while the others still run: ``ended(...)``, so
+    the trainer trains what was delivered and the caller reports the failure after. The others
+    are not waited for: one may wait for the failed shard's pass end, which never comes (a
+    source with passes), and the run fails either way.
     """
     all_ended_at: list[float] = []
 
     def check() -> None:
         if pool.alive():
+            failed = [b for b in pool.books() if b.state == "failed" and b.bye is not None]
+            if failed:
+                raise ended(f"producer {failed[0].name}'s source failed")
             return
         if ends_grace_s > 0 and all(book.bye is not None for book in pool.books()):
             if not all_ended_at:

@@ -19,7 +19,7 @@ import pytest
 from stagefeed.bench.config import KERAS_MODES, STEP_MODES, StepsConfig, expand_modes
 from stagefeed.bench.cpu import process_cpu_s, threads_cpu_s
 from stagefeed.common.errors import BrokenError, ClosedError
-from stagefeed.producer.pool import pool_check
+from stagefeed.producer.pool import WorkerBook, pool_check
 from tests.conftest import run_cli, wait_for
 
 pytestmark = pytest.mark.slow
@@ -179,11 +179,14 @@ class _Pool:
     """What ``pool_check`` reads of a ``Producers``: live processes, and ``wait`` raising
     for a failed one."""
 
-    def __init__(self, alive: int, failed: str = "") -> None:
-        self.live, self.failed = alive, failed
+    def __init__(self, alive: int, failed: str = "", books: list | None = None) -> None:
+        self.live, self.failed, self._books = alive, failed, books or []
 
     def alive(self) -> int:
         return self.live
+
+    def books(self) -> list[WorkerBook]:
+        return self._books
 
     def wait(self, timeout_s: float | None = None) -> bool:
         if self.failed:
@@ -194,6 +197,17 @@ class _Pool:
 def test_pool_check_passes_while_any_producer_lives():
     pool_check(_Pool(alive=1))()
     pool_check(_Pool(alive=2), ClosedError)()
+
+
+def test_a_source_that_failed_after_its_end_ends_the_intake_while_the_others_live():
+    # Another worker may wait for the failed shard's pass end: the run drains and fails now.
+    failed = WorkerBook(1, "stagefeed-producer-1", "failed", 2, bye="source_error", error="bad")
+    running = WorkerBook(0, "stagefeed-producer-0", "running", None)
+    with pytest.raises(ClosedError, match="stagefeed-producer-1's source failed"):
+        pool_check(_Pool(alive=1, books=[running, failed]), ClosedError)()
+    # Died without its end (killed): the others go on, as before.
+    killed = WorkerBook(1, "stagefeed-producer-1", "killed", -9)
+    pool_check(_Pool(alive=1, books=[running, killed]), ClosedError)()
 
 
 def test_pool_check_says_how_the_producers_ended():

@@ -132,3 +132,26 @@ def test_produce_feeds_a_hugging_face_dataset_named_from_a_user_module(tmp_path)
     assert len(trainer.received) == 7  # 30 rows: 7 batches of 4, 2 rows left out
     assert len(ids) == len(set(ids)) == 28 and set(ids) <= set(range(30))
     assert "TensorFlow version" not in done.stderr  # datasets left TensorFlow out (USE_TF=0)
+
+
+@pytest.mark.slow
+def test_run_of_epochs_with_a_corrupt_jpeg_under_fail_trains_what_came_and_ends_in_one_line(
+    tmp_path,
+):
+    """A source with passes (``--epochs 2``) whose image is corrupt under ``--on-bad-record
+    fail``: the shard that fails never ends its pass, and the other producer waited for that
+    pass end while the trainer waited for it (until killed). Now the failed source ends the
+    run: what was delivered is trained, the summary is written, then one line naming the
+    file, exit 2 (a data source's bad record under ``fail``, README's exit codes)."""
+    make_images(tmp_path / "pets", per_class=6, bad="broken.jpg")  # 13 images: 3 batches of 4
+    done = run_cli([
+        "run", "--producers", "2", "--source", f"images:{tmp_path / 'pets'}",
+        "--model", "tests.image_models:tiny", "--batch-size", "4", "--short-batch", "drop",
+        "--epochs", "2", "--warmup-steps", "0", "--progress-s", "100",
+        "--json", str(tmp_path / "run.json"),
+    ], timeout=180)  # fmt: skip
+    line = one_line(done, code=2)
+    assert "broken.jpg" in line and "not a decodable JPEG" in line, line
+    assert "stagefeed summary" in done.stdout, done.stdout
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert summary["batches"]["trained"] == summary["batches"]["received"], summary["batches"]

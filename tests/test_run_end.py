@@ -68,7 +68,7 @@ def test_producers_gone_without_end_drain_after_the_grace_only():
     inputs.now = 2.0
     verdict = run_end.poll()
     assert (verdict.ending, verdict.data_ended) == (Ending.DRAIN, False)
-    assert verdict.reason == "every producer process ended"
+    assert verdict.reason == "all producers ended"  # the check's own words
 
 
 @pytest.mark.parametrize("error", [BrokenError("intake broke"), RuntimeError("a bug")])
