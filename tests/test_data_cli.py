@@ -153,5 +153,6 @@ def test_run_of_epochs_with_a_corrupt_jpeg_under_fail_trains_what_came_and_ends_
     line = one_line(done, code=2)
     assert "broken.jpg" in line and "not a decodable JPEG" in line, line
     assert "stagefeed summary" in done.stdout, done.stdout
+    assert "of None" not in done.stdout, done.stdout  # a run with no planned steps says so
     summary = json.loads((tmp_path / "run.json").read_text())
     assert summary["batches"]["trained"] == summary["batches"]["received"], summary["batches"]

@@ -173,9 +173,13 @@ def _run_length_line(s: dict[str, Any]) -> str | None:
         f", {r['epochs_done']} of {r['planned_epochs']} epochs"
         if r.get("planned_epochs") is not None else ""
     )  # fmt: skip
+    steps = (
+        f"{r['steps_done']} of {r['planned_steps']} planned steps"
+        if r.get("planned_steps") is not None else f"{r['steps_done']} steps"
+    )  # fmt: skip
     return (
-        f"  WARNING: ended after {r['steps_done']} of {r['planned_steps']} planned steps"
-        f"{epochs}: {r['short_because']} (--require-full-run makes this exit {EXIT_SHORT_RUN})"
+        f"  WARNING: ended after {steps}{epochs}: {r['short_because']} "
+        f"(--require-full-run makes this exit {EXIT_SHORT_RUN})"
     )
 
 
