@@ -8,7 +8,10 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stagefeed-installed
 
-.PHONY: run test lint venv bench clean
+.PHONY: run test lint typecheck venv bench clean
+# The type checker on the public API ([tool.mypy] in pyproject.toml): mypy reads the package
+# laid out as it installs, a tree of links made afresh by tools/typecheck_tree.py.
+TYPECHECK := $(BIN)/python tools/typecheck_tree.py build/typecheck && $(BIN)/mypy
 
 $(STAMP): pyproject.toml tests/k8s-renderer.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,10 +27,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(TYPECHECK)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/matrix
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	$(TYPECHECK)
 
 bench: $(STAMP)
 	$(BIN)/stagefeed bench steps
