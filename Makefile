@@ -5,10 +5,12 @@ VENV ?= .venv
 TF_EXTRA ?= cpu
 # Test processes: a test mostly waits on the processes it started, so two keep both cores busy.
 TEST_WORKERS ?= 2
+# make check's tests are CPU-bound: each xdist worker pays the collection again, so one.
+CHECK_WORKERS ?= 0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stagefeed-installed
 
-.PHONY: run test lint typecheck venv bench clean
+.PHONY: run test check lint typecheck venv bench clean
 # The type checker on the public API ([tool.mypy] in pyproject.toml): mypy reads the package
 # laid out as it installs, a tree of links made afresh by tools/typecheck_tree.py.
 TYPECHECK := $(BIN)/python tools/typecheck_tree.py build/typecheck && $(BIN)/mypy
@@ -29,6 +31,15 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(TYPECHECK)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/matrix
+
+# The inner loop, under two minutes: ruff, import-linter (where installed), the type checker and
+# the fast tests (no process started, no TensorFlow loaded: tests/fast_tests.py, pytest --fast).
+check: $(STAMP)
+	$(BIN)/ruff check .
+	@if test -x $(BIN)/lint-imports; then $(BIN)/lint-imports; \
+	else echo "lint-imports: not installed in $(VENV), skipped"; fi
+	$(TYPECHECK)
+	$(BIN)/python -m pytest -q -n $(CHECK_WORKERS) --fast --ignore=tests/matrix
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -12,6 +12,13 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from tests import fast_tests
+from tests.fast_tests import (  # noqa: F401 - pytest's hooks: --fast (make check)
+    pytest_addoption,
+    pytest_ignore_collect,
+    pytest_runtest_protocol,
+)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small batches of the seed's image size (AlexNet needs >= 195x195): 1.2 MB per float32 batch.
 TINY = ["--batch-size", "2"]
@@ -143,11 +150,13 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
     return predicate()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep what shares a started process on one xdist worker (``make test`` runs two, with
     ``--dist loadgroup``): a module's tests share its module-scoped trainers, and a package's
     (``hostile_input/``) share one trainer and run in the order its conftest sets. Without
-    xdist the mark does nothing."""
+    xdist the mark does nothing. Under ``--fast`` (make check), the tests that are not fast
+    are marked ``process`` and left out (tests/fast_tests.py)."""
+    fast_tests.mark(config, items)
     tests = os.path.join(REPO, "tests")
     for item in items:
         top = os.path.relpath(str(item.path), tests).split(os.sep)[0]
