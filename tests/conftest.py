@@ -16,6 +16,7 @@ from tests import fast_tests
 from tests.fast_tests import (  # noqa: F401 - pytest's hooks: --fast (make check)
     pytest_addoption,
     pytest_ignore_collect,
+    pytest_make_collect_report,
     pytest_runtest_protocol,
 )
 

@@ -7,8 +7,9 @@ deselects a ``slow`` or ``process`` test, and a test whose own code, whose fixtu
 whose module's functions it names (followed name by name inside its module) name something that
 starts a process or loads TensorFlow (``STARTS``). The tests let through are held to the rule
 as they run: an audit hook turns a process started or TensorFlow imported by one into its
-failure, naming what to mark. A miss of the scan is a red ``make check``, never a silently slow
-one. Without ``--fast`` nothing here runs.
+failure, naming what to mark; a module whose import loads TensorFlow all the same fails the
+collection, named. A miss of the scan is a red ``make check``, never a silently slow one.
+Without ``--fast`` nothing here runs.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ STARTS = re.compile(
 )
 # A module whose top imports these loads TensorFlow at collection, or is about processes.
 HEAVY_MODULE = re.compile(
-    r"^(import|from) (tensorflow|keras|tests\.(model_fit|procs|shm_procs|peer|standin_trainer|"
-    r"cluster_child|dataset_mirrored_child|regression_models|resume_models|passes_models|"
-    r"model_kinds|run_length_models|hostile)|examples|stagefeed\.consumer)\b",
+    r"^(import|from) (tensorflow|keras|examples|stagefeed\.consumer|tests\.(helpers\.)?"
+    r"(model_fit|procs|shm_procs|peer|standin_trainer|cluster_child|dataset_mirrored_child|"
+    r"regression_models|resume_models|passes_models|model_kinds|run_length_models|hostile))\b",
     re.MULTILINE,
 )
 PROCESS_EVENTS = {
@@ -69,6 +70,21 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.name == "matrix" or (is_test and _heavy(collection_path)):
         return True
     return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[pytest.CollectReport]:
+    """Under ``--fast``, a test module whose import loads TensorFlow fails the collection, named:
+    ``HEAVY_MODULE`` must leave it out (it would cost every ``make check`` TensorFlow's import,
+    and let its tests use TensorFlow unseen by the audit hook)."""
+    loaded = "tensorflow" in sys.modules
+    report: pytest.CollectReport = yield
+    fast = collector.config.getoption("fast")
+    if fast and isinstance(collector, pytest.Module) and not loaded and "tensorflow" in sys.modules:
+        report.outcome = "failed"
+        report.longrepr = (f"{collector.nodeid} loads TensorFlow when imported: make check leaves "
+                           "such modules out (HEAVY_MODULE in tests/fast_tests.py)")  # fmt: skip
+    return report
 
 
 @functools.cache

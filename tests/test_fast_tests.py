@@ -10,7 +10,13 @@ import sys
 from tests.conftest import REPO
 
 CONFTEST = """
-from tests.fast_tests import mark, pytest_addoption, pytest_ignore_collect, pytest_runtest_protocol
+from tests.fast_tests import (
+    mark,
+    pytest_addoption,
+    pytest_ignore_collect,
+    pytest_make_collect_report,
+    pytest_runtest_protocol,
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -50,9 +56,9 @@ def test_unseen_by_the_scan():
 '''
 
 
-def _pytest(tmp_path, *args: str) -> subprocess.CompletedProcess:
+def _pytest(tmp_path, *args: str, tests: str = TESTS) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_sample.py").write_text(TESTS)
+    (tmp_path / "test_sample.py").write_text(tests)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     env["PYTHONPATH"] = REPO
     return subprocess.run(
@@ -72,3 +78,22 @@ def test_fast_runs_only_what_starts_no_process_and_fails_a_test_the_scan_missed(
 def test_without_fast_every_test_runs(tmp_path):
     done = _pytest(tmp_path)
     assert "5 passed" in done.stdout, done.stdout + done.stderr
+
+
+# What a module does when it imports one that imports TensorFlow (a stand-in: no TensorFlow).
+LOADS_TENSORFLOW = """
+import sys
+import types
+
+sys.modules.setdefault("tensorflow", types.ModuleType("tensorflow"))
+
+
+def test_pure():
+    assert True
+"""
+
+
+def test_fast_refuses_a_module_whose_import_loads_tensorflow(tmp_path):
+    done = _pytest(tmp_path, "--fast", tests=LOADS_TENSORFLOW)
+    assert done.returncode != 0, done.stdout
+    assert "test_sample.py loads TensorFlow when imported" in done.stdout, done.stdout
