@@ -5,10 +5,15 @@ VENV ?= .venv
 TF_EXTRA ?= cpu
 # Test processes: a test mostly waits on the processes it started, so two keep both cores busy.
 TEST_WORKERS ?= 2
+# make check's tests are CPU-bound: each xdist worker pays the collection again, so one.
+CHECK_WORKERS ?= 0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stagefeed-installed
 
-.PHONY: run test lint layers venv bench clean
+.PHONY: run test check lint layers typecheck venv bench clean
+# The type checker on the public API ([tool.mypy] in pyproject.toml): mypy reads the package
+# laid out as it installs, a tree of links made afresh by tools/typecheck_tree.py.
+TYPECHECK := $(BIN)/python tools/typecheck_tree.py build/typecheck && $(BIN)/mypy
 
 $(STAMP): pyproject.toml tests/k8s-renderer.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,7 +30,16 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory layers
+	$(TYPECHECK)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/matrix
+
+# The inner loop, under two minutes: ruff, the layer map (import-linter), the type checker and
+# the fast tests (no process started, no TensorFlow loaded: tests/fast_tests.py, pytest --fast).
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(MAKE) --no-print-directory layers
+	$(TYPECHECK)
+	$(BIN)/python -m pytest -q -n $(CHECK_WORKERS) --fast --ignore=tests/matrix
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -53,6 +67,9 @@ layers: $(STAMP)
 	rm -rf build/layers
 	$(BIN)/python -c "$$LAYERS_TREE"
 	cd build/layers && $(CURDIR)/$(BIN)/lint-imports --no-cache $(CURDIR)/pyproject.toml
+
+typecheck: $(STAMP)
+	$(TYPECHECK)
 
 bench: $(STAMP)
 	$(BIN)/stagefeed bench steps

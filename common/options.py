@@ -99,14 +99,13 @@ def check_number(
 def _check_shard_group(value: object, workers: int) -> None:
     """``ConfigError`` naming ``value`` unless it is ``(G, K)`` with ``0 <= G < K`` and
     ``K * workers`` shards at most ``MAX_SHARDS`` (what a hello and a position may carry)."""
-    ok = (
+    if not (
         isinstance(value, tuple)
         and len(value) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    )
-    if not ok:
+    ):
         raise ConfigError(f"shard_group must be (GROUP, GROUPS), two integers, got {value!r:.40}")
-    group, groups = value  # type: ignore[misc]
+    group, groups = value
     if not 0 <= group < groups:
         raise ConfigError(
             f"shard_group {group}/{groups}: expected GROUP/GROUPS with 0 <= GROUP < GROUPS"

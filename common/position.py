@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from stagefeed.common.errors import ConfigError
 
@@ -74,8 +74,9 @@ class StreamPosition:
     def union(self, other: StreamPosition) -> StreamPosition:
         """Batches trained in either (every batch below the larger ``next`` is in one)."""
         ends = [e for e in (self.end, other.end) if e is not None]
+        passes = self.passes if len(self.passes) >= len(other.passes) else other.passes
         out = StreamPosition(max(self.next, other.next), set(), max(ends) if ends else None,
-                             list(max(self.passes, other.passes, key=len)))  # fmt: skip
+                             list(passes))  # fmt: skip
         for seq in sorted(self.above | other.above):
             if seq >= out.next:
                 out.add(seq)
@@ -178,7 +179,7 @@ class InputPosition:
         return out
 
 
-def is_count(value: Any) -> bool:
+def is_count(value: Any) -> TypeGuard[int]:
     """A JSON count: an int (not a bool) in ``[0, MAX_SEQ]``."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEQ
 

@@ -246,8 +246,9 @@ class Schema:
                 specs.append(ArraySpec(**entry))
             except ConfigError as exc:
                 raise ConfigError(f"{source}: {exc}") from None
+        batch_size: Any = data.get("batch_size")  # as read: the constructor checks it
         try:
-            return cls(tuple(specs), data.get("batch_size"))
+            return cls(tuple(specs), batch_size)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
 
@@ -335,16 +336,14 @@ def image_schema(
     """
     if dtype not in ("float32", "uint8"):
         raise ConfigError(f"image dtype must be float32 or uint8, got {dtype!r}")
-    cast = {"cast": "float32", "scale": 1.0 / 255.0} if dtype == "uint8" else {}
     if not _is_int(num_classes) or not 0 < num_classes <= np.iinfo(np.int32).max:
         raise ConfigError(f"num_classes must be a positive int32, got {excerpt(num_classes)}")
-    return Schema(
-        (
-            ArraySpec("images", dtype, (image_size, image_size, channels), **cast),
-            ArraySpec("labels", "int32", (), bounds=(0, num_classes)),
-        ),
-        batch_size,
-    )
+    shape = (image_size, image_size, channels)
+    if dtype == "uint8":
+        images = ArraySpec("images", dtype, shape, cast="float32", scale=1.0 / 255.0)
+    else:
+        images = ArraySpec("images", dtype, shape)
+    return Schema((images, ArraySpec("labels", "int32", (), bounds=(0, num_classes))), batch_size)
 
 
 DEFAULT_SCHEMA = image_schema()

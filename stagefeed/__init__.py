@@ -20,7 +20,7 @@ Layers, lowest first: ``stagefeed.common`` (wire protocol, schema, options) <-
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.errors import (
     BrokenError,
@@ -40,6 +40,26 @@ from stagefeed.common.schema import (
     image_schema,
     load_schema,
 )
+
+if TYPE_CHECKING:  # what the lazy names below are, for a type checker (py.typed): not run
+    from stagefeed.common.position import InputPosition
+    from stagefeed.consumer.cluster.trainer import ClusterTrainer
+    from stagefeed.consumer.graph.trainer import Trainer
+    from stagefeed.consumer.keras_fit.callback import cast_layer
+    from stagefeed.consumer.keras_fit.trainer import KerasTrainer
+    from stagefeed.consumer.memory.malloc_policy import keep_freed_memory
+    from stagefeed.consumer.model_ref import graph_model, keras_model
+    from stagefeed.consumer.run_facts import StepObserver, StepRecord
+    from stagefeed.consumer.tf2.feed import Feed
+    from stagefeed.consumer.tf2.served_feed import ServedFeed
+    from stagefeed.consumer.tf2.step_books import BooksFigures, TrainedStep
+    from stagefeed.producer.data.arrays import ArrayRecords, open_npy
+    from stagefeed.producer.data.hf import HFRecords
+    from stagefeed.producer.data.images import ImageFolder
+    from stagefeed.producer.data.npz import open_npz
+    from stagefeed.producer.data.parquet import ParquetRecords
+    from stagefeed.producer.data.source import MapSource
+    from stagefeed.producer.pool import Producers, WorkerBook
 
 __version__ = "0.2.0"
 

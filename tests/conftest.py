@@ -12,6 +12,14 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from tests import fast_tests
+from tests.fast_tests import (  # noqa: F401 - pytest's hooks: --fast (make check)
+    pytest_addoption,
+    pytest_ignore_collect,
+    pytest_make_collect_report,
+    pytest_runtest_protocol,
+)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small batches of the seed's image size (AlexNet needs >= 195x195): 1.2 MB per float32 batch.
 TINY = ["--batch-size", "2"]
@@ -152,12 +160,15 @@ SHARED_PROCESS_GROUPS = frozenset({
 })  # fmt: skip
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep what shares a started process on one xdist worker (``make test`` runs two, with
     ``--dist loadgroup``): a module's tests share its module-scoped trainers, and a package's
     (``hostile_input/``) share one trainer and run in the order its conftest sets. Every
     other test goes to whichever worker is free (a whole module on one worker left the other
-    idle at the end of the run). Without xdist the mark does nothing."""
+    idle at the end of the run). Without xdist the mark does nothing. Under ``--fast`` (make
+    check), the tests that are not fast are marked ``process`` and left out
+    (tests/fast_tests.py)."""
+    fast_tests.mark(config, items)
     tests = os.path.join(REPO, "tests")
     for item in items:
         top = os.path.relpath(str(item.path), tests).split(os.sep)[0]

@@ -73,6 +73,7 @@ def test_ingest_reports_stagefeed_next_to_raw(tmp_path):
     assert [r["raw_first"] for r in report["runs"]] == [True, False]
 
 
+@pytest.mark.process  # the trivial model is a Keras model: TensorFlow
 def test_trivial_model_gets_the_batch_uncast_and_the_wire_is_unchanged():
     """A cast in the schema would convert every whole uint8 batch before the trivial model
     reads one pixel; the delivery schema drops it and moves the same bytes and messages."""

@@ -137,6 +137,7 @@ def resolves(dotted: str) -> bool:
     return False
 
 
+@pytest.mark.process  # resolves the TensorFlow-side names too
 def test_every_stagefeed_name_in_the_docs_exists():
     known_loggers = loggers()
     missing = []

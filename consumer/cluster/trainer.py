@@ -48,7 +48,7 @@ from stagefeed.consumer.cluster.peer_stop import PeerStop
 from stagefeed.consumer.cluster.positions import share_resume, union_position
 from stagefeed.consumer.cluster.shared_state import broadcast_variables, sum_over_workers
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
-from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations
+from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations, restore_keras
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd
 from stagefeed.consumer.run_facts import StepObserver, StepRecord
@@ -90,6 +90,7 @@ class ClusterTrainer(KerasTrainer):
 
     def start(self) -> ClusterTrainer:
         plan = self.build_and_bind(self.cluster.strategy)
+        assert self.model is not None  # build_and_bind made it
         log.info("Keras model %s on %s: x %s, y %s; a distributed step of its compiled loss, "
                  "optimizer and metrics", self.model.name, self.cluster, list(plan.inputs),
                  list(plan.targets))  # fmt: skip
@@ -112,7 +113,7 @@ class ClusterTrainer(KerasTrainer):
                 if not model.optimizer.built:
                     model.optimizer.build(model.trainable_variables)
             if cluster.chief:
-                keras_format(model).restore(resumed.model_path)
+                restore_keras(model, resumed.model_path)
             broadcast_variables(
                 cluster.strategy, _unique([*model.weights, *model.optimizer.variables])
             )
@@ -240,4 +241,9 @@ class ClusterTrainer(KerasTrainer):
 def _unique(variables: list[Any]) -> list[Any]:
     """``variables`` without repeats (a weight may be listed twice), in order."""
     seen: set[int] = set()
-    return [v for v in variables if id(v) not in seen and not seen.add(id(v))]
+    out = []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out

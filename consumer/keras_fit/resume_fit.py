@@ -33,36 +33,39 @@ log = logging.getLogger(__name__)
 
 def keras_format(model: keras.Model) -> ModelFormat:
     """``model.save``: the whole model (weights and optimizer) as one ``.keras`` file;
-    ``restore``: ``load_weights`` of that file into ``model``, its optimizer built first."""
+    ``restore``: ``restore_keras`` of that file into ``model``."""
 
     def save(path: str) -> list[str]:
         model.save(path)
         return [os.path.basename(path)]
 
-    def restore(path: str) -> None:
-        optimizer = model.optimizer
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(model.trainable_variables)  # its slots exist: they are loaded
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                model.load_weights(path)
-            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-                why = " ".join(str(exc).split())[:200]
-                raise ConfigError(f"cannot restore checkpoint {path}: {type(exc).__name__}: "
-                                  f"{why}; pass --fresh to start over") from None  # fmt: skip
-        skipped = [str(w.message) for w in caught if "Skipping variable loading" in str(w.message)]
-        if skipped:
-            why = " ".join(skipped[0].split())
-            raise ConfigError(f"checkpoint {path} does not fit the model: {why}; pass --fresh "
-                              "to start over")  # fmt: skip
-
     return ModelFormat(
         final="model.keras",
         at_step=lambda step: f"step-{step:06d}.keras",
         save=save,
-        restore=restore,
+        restore=lambda path: restore_keras(model, path),
     )
+
+
+def restore_keras(model: keras.Model, path: str) -> None:
+    """``load_weights`` of the ``.keras`` file at ``path`` into ``model``, its optimizer built
+    first; ``ConfigError`` where the file cannot be read or does not fit the model."""
+    optimizer = model.optimizer
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)  # its slots exist: they are loaded
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model.load_weights(path)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+            why = " ".join(str(exc).split())[:200]
+            raise ConfigError(f"cannot restore checkpoint {path}: {type(exc).__name__}: "
+                              f"{why}; pass --fresh to start over") from None  # fmt: skip
+    skipped = [str(w.message) for w in caught if "Skipping variable loading" in str(w.message)]
+    if skipped:
+        why = " ".join(skipped[0].split())
+        raise ConfigError(f"checkpoint {path} does not fit the model: {why}; pass --fresh "
+                          "to start over")  # fmt: skip
 
 
 def restore_iterations(model: keras.Model, step: int) -> None:

@@ -110,6 +110,7 @@ class KerasTrainer(TrainerBase):
                 "stagefeed.ClusterTrainer (what stagefeed train runs there)"
             )
         plan = self.build_and_bind()
+        assert self.model is not None  # build_and_bind made it
         log.info(
             "Keras model %s: x %s, y %s; fit on %s",
             self.model.name, list(plan.inputs), list(plan.targets), self.device,
@@ -338,7 +339,7 @@ class _Watch:
         self, trainer: KerasTrainer, stop: threading.Event, health: Callable[[], None] | None
     ) -> None:
         assert trainer.feed is not None
-        self.trainer = trainer
+        self.trainer, self._feed = trainer, trainer.feed
         checks = [trainer.feed.check] + ([health] if health else [])
         self.run_end = RunEnd(stop, trainer.feed.intake.data_ended, checks)
         self._line = WaitLine(trainer.options.wait_log_s, trainer.ledger.producer_count,
@@ -355,7 +356,7 @@ class _Watch:
             while not self._done.wait(WATCH_S):
                 if self._act(self.run_end.poll()):
                     return
-                self._line.starved(self.trainer.steps_done, self.trainer.feed.queue.size())
+                self._line.starved(self.trainer.steps_done, self._feed.queue.size())
         except Exception as exc:  # noqa: BLE001 - carried to train(), which raises it
             log.debug("fit watcher failed", exc_info=True)
             self.trainer.fail(exc)

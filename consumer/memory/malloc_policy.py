@@ -127,6 +127,8 @@ def _arenas(libc: ctypes.CDLL) -> int:
     finally:
         fclose(stream)  # sets buffer and size
     try:
+        if not buffer.value:  # fclose sets it: where it did not, there is nothing to read
+            return 0
         return ctypes.string_at(buffer.value, size.value).count(b"<heap nr=")
     finally:
         free(buffer)

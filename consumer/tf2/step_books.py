@@ -61,7 +61,7 @@ class TrainedStep(NamedTuple):
 
 class Entry(NamedTuple):
     generation: int
-    index: int
+    batch_index: int  # within its iterator (a field named index would hide tuple.index)
     peer: int
     seq: int
     wait_s: float  # how long the dequeue blocked on an empty queue
@@ -198,7 +198,7 @@ class StepBooks:
             peers: list[int] = []
             seqs: list[int] = []
             for _ in range(steps * self.batches_per_step):
-                if self._pending and self._pending[0].index == self._next_index:
+                if self._pending and self._pending[0].batch_index == self._next_index:
                     entry = self._pending.popleft()
                     peers.append(entry.peer)
                     seqs.append(entry.seq)

@@ -27,10 +27,11 @@ class ArrayRecords:
         self.origin = origin
         self.arrays = {name: np.asanyarray(a) for name, a in arrays.items()}
         lengths = {name: (a.shape[0] if a.ndim else None) for name, a in self.arrays.items()}
-        if None in lengths.values() or len(set(lengths.values())) != 1:
+        length = next(iter(lengths.values()))
+        if length is None or len(set(lengths.values())) != 1:
             shown = ", ".join(f"{n}: {length}" for n, length in lengths.items())
             raise ConfigError(f"{origin}: arrays of different lengths ({shown}), or scalars")
-        self._length = next(iter(lengths.values()))
+        self._length: int = length
         self._fields = {
             name: field_of(a[:1].reshape(a.shape[1:]), f"{origin}: {name}")
             for name, a in self.arrays.items()
@@ -65,7 +66,7 @@ def open_npy(paths: Sequence[str]) -> ArrayRecords:
     return ArrayRecords(arrays, "npy:" + ",".join(paths))
 
 
-def load_npy(path: str) -> np.memmap:
+def load_npy(path: str) -> np.ndarray:
     """``path`` mapped read-only; ``ConfigError`` in one line naming it if it cannot be."""
     if not os.path.isfile(path):
         raise ConfigError(f"npy:{path}: no such file")

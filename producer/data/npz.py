@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
+from typing import Literal
 
 import numpy as np
 
@@ -63,5 +64,5 @@ def _map_member(path: str, member: zipfile.ZipInfo) -> np.memmap:
         offset = f.tell()
     if dtype.hasobject:
         raise ConfigError(f"npz:{path}: member {name} holds Python objects: not mapped")
-    order = "F" if fortran else "C"
+    order: Literal["F", "C"] = "F" if fortran else "C"
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)

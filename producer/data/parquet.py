@@ -70,7 +70,7 @@ class ParquetRecords:
         self._pieces: list[tuple[str, Any, int]] = []  # (path, ParquetFile, row group)
         self._starts: list[int] = []
         length = 0
-        schema = None
+        schema: Any = None  # the first file's pyarrow.Schema (untyped); set when a row is
         for path in self.files:
             try:
                 handle = pq.ParquetFile(path)

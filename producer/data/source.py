@@ -71,7 +71,7 @@ class MapSource:
         if not len(records):
             raise ConfigError(f"{name or type(records).__name__}: no records")
         self.records = records
-        self.name = name or getattr(records, "origin", type(records).__name__)
+        self.name: str = name or str(getattr(records, "origin", type(records).__name__))
         self.shuffle, self.seed = shuffle, seed
         self.transform = resolve_transform(transform) if isinstance(transform, str) else transform
         self.on_bad_record, self.short_batch = on_bad_record, short_batch
