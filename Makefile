@@ -31,7 +31,9 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory layers
 	$(TYPECHECK)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/matrix
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+		--ignore=tests/matrix; code=$$?; \
+		echo "make test: pytest took $$(( $$(date +%s) - start )) s (exit $$code)"; exit $$code
 
 # The inner loop, under two minutes: ruff, the layer map (import-linter), the type checker and
 # the fast tests (no process started, no TensorFlow loaded: tests/fast_tests.py, pytest --fast).
@@ -84,7 +86,9 @@ clean:
 # transport and producer speed, with real processes; its own target so that `make test` keeps
 # its budget (.ci/run runs both). Cells are independent: spread over the workers as they come.
 test-matrix: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load tests/matrix
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load tests/matrix; \
+		code=$$?; echo "make test-matrix: pytest took $$(( $$(date +%s) - start )) s (exit $$code)"; \
+		exit $$code
 
 .PHONY: test-compose
 # docker/compose.yaml under a real Docker engine: images built, `up --scale producer=3` over tcp
