@@ -184,9 +184,13 @@ def produce(
         raise ConfigError(f"--source {options.source}: a source with passes feeds one trainer, "
                           f"not {len(options.connect)}")  # fmt: skip
     outcome = outcome if outcome is not None else Outcome()
+    # One token for the producer run, on every channel it opens: after a rewind the trainer
+    # knows the new connection for the run that delivered on the old one (its ``end`` ends
+    # what the old one sent; consumer/books/ledger.py ``delivered``).
+    session = secrets.token_hex(16)
     while True:
         try:
-            return _produce_once(options, worker, stop, outcome, factory)
+            return _produce_once(options, worker, stop, outcome, factory, session)
         except Rewind:
             log.info("producer %s: the trainer moved shard %d of %d: starting again where it "
                      "says", worker.producer_id, worker.index, worker.count)  # fmt: skip
@@ -198,9 +202,10 @@ def _produce_once(
     stop: Any,
     outcome: Outcome,
     factory: SourceFactory | None,
+    session: str,
 ) -> int:
-    """``produce`` over one channel; ``Rewind`` (what it held discarded) when a later
-    welcome moved this shard."""
+    """``produce`` over one channel (its hello carries the run's ``session`` token);
+    ``Rewind`` (what it held discarded) when a later welcome moved this shard."""
     configure = None
     passes = {"passes": True} if is_passing(factory) else {}
     if options.curve_keys:
@@ -209,7 +214,7 @@ def _produce_once(
         configure = client_configurator(options.curve_keys)
     channel = make_channel(
         options, worker.producer_id, configure,
-        hello_fields={"shard": worker.index, "shards": worker.count,
+        hello_fields={"shard": worker.index, "shards": worker.count, "session": session,
                       "seek": is_seekable(factory), "confirm": True, **passes},
     )  # fmt: skip
     name = worker.producer_id
