@@ -9,12 +9,13 @@ in graph mode, ``.keras`` files for Keras)::
     DIR/state.json                        the run's state at the end, written after the model
 
 A checkpoint is its state file and the model files it names: the state file is written last,
-atomically (a temporary file renamed over it), so a checkpoint is complete or has no state
-file, whatever kills the writer. The state holds the step, the epoch, the run's settings,
-``model_path`` (what to restore, beside the state file), ``finished`` (why the run ended, in
-the final state of a run that is done; false otherwise) and ``input``: the input position,
-read *after* the model was saved, on the train loop's thread, so it holds exactly the batches
-whose effect is in that model (``common.position``; docs/resume.md).
+atomically (a temporary file renamed over it, then its directory fsynced:
+``checkpoint_files.write_state``), so a checkpoint is complete or has no state file, whatever
+kills the writer or the host. The state holds its format ``version``, the step, the epoch, the
+run's settings, ``model_path`` (what to restore, beside the state file), ``finished`` (why
+the run ended, in the final state of a run that is done; false otherwise) and ``input``: the
+input position, read *after* the model was saved, on the train loop's thread, so it holds
+exactly the batches whose effect is in that model (``common.position``; docs/resume.md).
 
 Test hook: ``STAGEFEED_TEST_STATE_DELAY_S`` (seconds, default 0) sleeps between the model and
 its state file, so a test can kill the writer there; not for production use.
@@ -41,7 +42,6 @@ No TensorFlow here: the trainers hand in how to save their model (``ModelFormat`
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -54,6 +54,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition
 from stagefeed.common.tf_config import is_chief
 from stagefeed.consumer import resume
+from stagefeed.consumer.checkpoint_files import write_state
 from stagefeed.consumer.intake.passes import passes_trained
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class Checkpoints:
         # The position is read now, after the model: what the model has trained, no more.
         position = self.position() if self.position is not None else None
         path = os.path.join(folder, state)
-        _write_atomically(path, self._state(step, files, name, finished, position))
+        write_state(path, self._state(step, files, name, finished, position))
         self.written.append(path)
         if self.on_saved is not None and position is not None:
             self.on_saved(position, bool(finished))
@@ -212,19 +213,3 @@ class Checkpoints:
 def _passes(position: InputPosition | None) -> int | None:
     """Every shard's passes ``position`` holds all of (None: no pass ends)."""
     return None if position is None else passes_trained(position)
-
-
-def _write_atomically(path: str, state: dict[str, Any]) -> None:
-    """Write ``state`` as JSON so that ``path`` is either the old file or the whole new one."""
-    folder = os.path.dirname(path)
-    fd, scratch = tempfile.mkstemp(prefix=".state-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(scratch, path)
-    except BaseException:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-        raise
