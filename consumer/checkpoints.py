@@ -20,7 +20,7 @@ exactly the batches whose effect is in that model (``common.position``; docs/res
 Test hook: ``STAGEFEED_TEST_STATE_DELAY_S`` (seconds, default 0) sleeps between the model and
 its state file, so a test can kill the writer there; not for production use.
 
-Who writes: the chief (``is_chief``, from ``common.tf_config``: TF_CONFIG's rules). Another
+Who writes: the chief (``chief``: the trainer's ``ClusterPlace``, TF_CONFIG's rules). Another
 worker of a cluster saves its model to a temporary directory that is removed at once
 (TensorFlow's multi-worker pattern: saving may need every worker's part in a collective), and
 writes no state; but it reads ``position()`` too, right after its save, because a cluster's
@@ -52,7 +52,6 @@ from typing import Any
 
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition
-from stagefeed.common.tf_config import is_chief
 from stagefeed.consumer import resume
 from stagefeed.consumer.checkpoint_files import write_state
 from stagefeed.consumer.intake.passes import passes_trained
@@ -102,7 +101,7 @@ class Checkpoints:
         self,
         options: TrainerOptions,
         model: ModelFormat,
-        chief: bool | None = None,
+        chief: bool,
         position: Callable[[], InputPosition | None] | None = None,
     ) -> None:
         if options.save_dir is None:
@@ -110,7 +109,7 @@ class Checkpoints:
         self.options = options
         self.directory = options.save_dir
         self.model = model
-        self.chief = is_chief() if chief is None else chief
+        self.chief = chief
         self.position = position
         self.resumed: resume.Resume | None = None
         if self.chief and options.fresh and os.path.isdir(self.directory):

@@ -21,9 +21,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from stagefeed.common import tf_config
 from stagefeed.common.errors import NonFiniteLoss
 from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer.observe.figures import RunFacts, RunReader
 from stagefeed.consumer.run_end import finished_because
 
@@ -50,11 +52,19 @@ class StepObserver(Protocol):
     def on_step(self, record: StepRecord) -> None: ...
 
 
+def trainer_place(place: ClusterPlace | None) -> ClusterPlace:
+    """``place``, or for a trainer made from Python without one, this process's ``TF_CONFIG``
+    (``tf_config.place``): resolved once, where the trainer is made; what it holds is passed
+    to the intake and the checkpoints, which never read the environment."""
+    return tf_config.place() if place is None else place
+
+
 class TrainerBase:
     """The books of steps and losses; subclasses add the feed and the loop.
 
     ``ledger`` is the books of batches, shared with the intake. ``_intake`` is set by the
     subclass once it has started one (transport and shared-memory figures come from it).
+    ``place``: where this trainer stands in a ``TF_CONFIG`` cluster (``trainer_place``).
     """
 
     # True: what the trainer holds must not be torn down in the process (the cluster worker's
@@ -69,8 +79,10 @@ class TrainerBase:
         configure_server: Callable[[Any], None] | None = None,
         *,
         device: str,
+        place: ClusterPlace | None = None,
     ) -> None:
         self.options = options
+        self.place = trainer_place(place)
         self.schema = options.schema
         self.observers = list(observers)
         self.ledger = Ledger()

@@ -14,7 +14,8 @@ import pytest
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition, StreamPosition
-from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, check_save_dir, is_chief
+from stagefeed.common.tf_config import place
+from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, check_save_dir
 
 from tests.conftest import run_cli
 from tests.regression_models import SCHEMA
@@ -146,14 +147,13 @@ def test_a_position_is_told_saved_only_once_its_state_file_is_written(tmp_path):
          '"index": 0}}', True),
     ],
 )  # fmt: skip
-def test_the_chief_is_told_from_tf_config(monkeypatch, tf_config, chief):
-    monkeypatch.delenv("TF_CONFIG", raising=False)
-    assert is_chief(tf_config or "") is chief
+def test_the_chief_is_told_from_tf_config(tf_config, chief):
+    assert place({"TF_CONFIG": tf_config} if tf_config else {}).chief is chief
 
 
 def test_a_malformed_tf_config_is_a_config_error():
     with pytest.raises(ConfigError, match="TF_CONFIG"):
-        is_chief('{"task": "worker"')
+        place({"TF_CONFIG": '{"task": "worker"'})
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ from typing import Any
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.cluster import loop
@@ -51,7 +52,7 @@ from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
 from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd
-from stagefeed.consumer.trainer_base import StepObserver, StepRecord
+from stagefeed.consumer.trainer_base import StepObserver, StepRecord, trainer_place
 from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,12 @@ class ClusterTrainer(KerasTrainer):
         observers: Sequence[StepObserver] = (),
         configure_server: Callable[[Any], None] | None = None,
         build: Callable[[Any], Any] | None = None,
+        *,
+        place: ClusterPlace | None = None,
     ) -> None:
-        self.cluster: Cluster = make_cluster(join_s=options.cluster_join_s)  # before any TF op
-        super().__init__(options, observers, configure_server, build)
+        place = trainer_place(place)
+        self.cluster: Cluster = make_cluster(place, join_s=options.cluster_join_s)  # first TF op
+        super().__init__(options, observers, configure_server, build, place=place)
         self._wait_s = 0.0
         self._last_end = 0.0
         self.cluster_totals: dict[str, int] | None = None  # after train(): every worker's books

@@ -15,6 +15,7 @@ from typing import Any
 import tensorflow as tf
 from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints
 from stagefeed.consumer.devices import training_device
@@ -50,9 +51,11 @@ class Trainer(TrainerBase):
         observers: Sequence[StepObserver] = (),
         configure_server: Callable[[Any], None] | None = None,
         model_fn: feed_graph.ModelFn | None = None,
+        *,
+        place: ClusterPlace | None = None,
     ) -> None:
         device = training_device(options.device)
-        super().__init__(options, observers, configure_server, device=device)
+        super().__init__(options, observers, configure_server, device=device, place=place)
         # What a step does with the staged batch: given, or ``options.model`` (resolved at start).
         self.model_fn = model_fn
         self.consumed = 0  # dequeues issued: primed puts + steps
@@ -80,7 +83,7 @@ class Trainer(TrainerBase):
             self.session.run(v1.global_variables_initializer())
         if options.save_dir is not None:
             model = saver_format(self.session, options.save_dir)
-            self.checkpoints = Checkpoints(options, model)  # restores what it resumes from
+            self.checkpoints = Checkpoints(options, model, chief=self.place.chief)  # restores
             self.resume_books(self.checkpoints)
         self._intake = Intake(
             options,
@@ -88,6 +91,7 @@ class Trainer(TrainerBase):
             self.feed.enqueuer(self.session),
             self.ledger,
             self._configure_server,
+            place=self.place,
         ).start()
         self.endpoint = self._intake.endpoint
         return self

@@ -46,6 +46,7 @@ import numpy as np
 from stagefeed.common.errors import ConfigError, NonFiniteLoss
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
 from stagefeed.consumer.devices import training_device
@@ -80,10 +81,13 @@ class KerasTrainer(TrainerBase):
         observers: Sequence[StepObserver] = (),
         configure_server: Callable[[Any], None] | None = None,
         build: Callable[[Any], Any] | None = None,
+        *,
+        place: ClusterPlace | None = None,
     ) -> None:
         super().__init__(
-            options, observers, configure_server, device=training_device(options.device)
-        )
+            options, observers, configure_server, device=training_device(options.device),
+            place=place,
+        )  # fmt: skip
         self.build = build
         self.model: keras.Model | None = None
         self.feed: ServedFeed | None = None
@@ -99,9 +103,7 @@ class KerasTrainer(TrainerBase):
         self._pass_cut: PassCut | None = None  # during a fit whose epochs are passes
 
     def start(self) -> KerasTrainer:
-        from stagefeed.consumer.cluster.strategy import in_cluster  # no TensorFlow op
-
-        if in_cluster():
+        if self.place.in_cluster:
             raise ConfigError(
                 "TF_CONFIG names a cluster and Keras 3's fit cannot train under "
                 "MultiWorkerMirroredStrategy (keras-team/keras#20585): use "
@@ -131,10 +133,12 @@ class KerasTrainer(TrainerBase):
         plan = check_model(ref, model, self.schema, options.targets)
         self.model = model
         if options.save_dir is not None:
-            self.checkpoints = Checkpoints(options, self.model_format(model))  # restores
+            self.checkpoints = Checkpoints(options, self.model_format(model),
+                                           chief=self.place.chief)  # restores; fmt: skip
             self.book_positions(self.checkpoints)
         check_step(ref, model, plan, strategy)  # after the restore: the state fit would build
-        self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
+        self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False,
+                               place=self.place)  # fmt: skip
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
         self._dataset = self.feed.dataset(
