@@ -34,7 +34,8 @@ gather shows that the chief got past its write (the chief writes before it train
 after the cluster's barrier at the end (``confirm_written``).
 
 A directory that already holds a run is resumed from its newest complete checkpoint, or
-refused, or (``--fresh``) moved aside: ``consumer.resume``; the chief decides at start.
+refused, or (``--fresh``) moved aside: ``consumer.resume``; the chief decides at start
+(``resume_point``), before the trainer books positions and makes its ``Checkpoints``.
 
 No TensorFlow here: the trainers hand in how to save their model (``ModelFormat``).
 """
@@ -88,21 +89,49 @@ def check_save_dir(options: TrainerOptions) -> resume.Resume | None:
     return resume.newest(options.save_dir, options)
 
 
+def resume_point(options: TrainerOptions, model: ModelFormat, chief: bool) -> resume.Resume | None:
+    """The checkpoint this run resumes from, restored into ``model``: the chief's decision
+    (``--fresh`` moves the previous run aside first; a newer checkpoint passed over is said
+    in one line); None for a fresh run, and always for a worker other than the chief (the
+    cluster shares the chief's: ``consumer.cluster.positions``). Call before the books."""
+    if options.save_dir is None:
+        raise ValueError("resume_point needs options.save_dir")
+    if not chief:
+        return None
+    if options.fresh and os.path.isdir(options.save_dir):
+        resume.start_over(options.save_dir)
+        return None
+    resumed = check_save_dir(options)
+    if resumed is None:
+        return None
+    passed_over = resumed.passed_over_line()
+    if passed_over is not None:
+        log.warning("%s", passed_over)
+    if model.restore is None:
+        raise ValueError("this model format cannot restore a checkpoint")
+    model.restore(resumed.model_path)
+    return resumed
+
+
 class Checkpoints:
     """Saves the model every ``options.checkpoint_every`` steps and at the end, each with its
     state file (see the module docstring). Call ``after_step`` after every booked step and
     ``final`` once; neither is called for a non-finite model (the loss policy stops first).
 
-    ``resumed``: the checkpoint this run resumes from (the chief's decision, made here:
-    ``--fresh`` moves the previous run aside first). ``position()``: the input position to
-    write, read after each model save (None: no position booked)."""
+    Given at construction, never assigned after: ``chief`` (it writes), ``resumed`` (the
+    checkpoint this run goes on from: ``resume_point``, or the cluster's shared one),
+    ``position()`` (the input position to write, read after each model save; None: no
+    position booked) and ``on_saved(position, finished)`` (see the module docstring)."""
 
     def __init__(
         self,
         options: TrainerOptions,
         model: ModelFormat,
         chief: bool,
+        *,
+        resumed: resume.Resume | None = None,
         position: Callable[[], InputPosition | None] | None = None,
+        on_saved: Callable[[InputPosition, bool], None] | None = None,
     ) -> None:
         if options.save_dir is None:
             raise ValueError("Checkpoints needs options.save_dir")
@@ -110,21 +139,10 @@ class Checkpoints:
         self.directory = options.save_dir
         self.model = model
         self.chief = chief
-        self.position = position
-        self.resumed: resume.Resume | None = None
-        if self.chief and options.fresh and os.path.isdir(self.directory):
-            resume.start_over(self.directory)
-        elif self.chief:
-            self.resumed = check_save_dir(options)
-        if self.resumed is not None:
-            passed_over = self.resumed.passed_over_line()
-            if passed_over is not None:
-                log.warning("%s", passed_over)
-            if model.restore is None:
-                raise ValueError("this model format cannot restore a checkpoint")
-            model.restore(self.resumed.model_path)
+        self.resumed = resumed
+        self._position = position
+        self._on_saved = on_saved
         self.written: list[str] = []  # state files written, oldest first
-        self.on_saved: Callable[[InputPosition, bool], None] | None = None
         # A worker's last position read and whether it was a finished final: the chief writes it.
         self._read_not_yet_written: tuple[InputPosition, bool] | None = None
 
@@ -156,8 +174,8 @@ class Checkpoints:
                 self.model.save(os.path.join(scratch, name))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-            if self.position is not None:  # every worker: a cluster's position is gathered
-                position = self.position()  # (collective): the chief's previous write is done
+            if self._position is not None:  # every worker: a cluster's position is gathered
+                position = self._position()  # (collective): the chief's previous write is done
                 self.confirm_written()
                 self._read_not_yet_written = (position, bool(finished))
             return None
@@ -168,20 +186,20 @@ class Checkpoints:
             log.info("test hook: %.1f s between the model and its state file", delay)
             time.sleep(delay)
         # The position is read now, after the model: what the model has trained, no more.
-        position = self.position() if self.position is not None else None
+        position = self._position() if self._position is not None else None
         path = os.path.join(folder, state)
         write_state(path, self._state(step, files, name, finished, position))
         self.written.append(path)
-        if self.on_saved is not None and position is not None:
-            self.on_saved(position, bool(finished))
+        if self._on_saved is not None and position is not None:
+            self._on_saved(position, bool(finished))
         return path
 
     def confirm_written(self) -> None:
         """(a worker other than the chief) The chief has written the checkpoint whose position
         this worker read last: tell ``on_saved``. Call once the cluster is past the chief's
         write (a later collective)."""
-        if self._read_not_yet_written is not None and self.on_saved is not None:
-            self.on_saved(*self._read_not_yet_written)
+        if self._read_not_yet_written is not None and self._on_saved is not None:
+            self._on_saved(*self._read_not_yet_written)
         self._read_not_yet_written = None
 
     def _state(

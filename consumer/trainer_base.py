@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stagefeed.common import tf_config
 from stagefeed.common.errors import NonFiniteLoss
@@ -28,6 +28,10 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer.observe.figures import RunFacts, RunReader
 from stagefeed.consumer.run_end import finished_because
+
+if TYPE_CHECKING:
+    from stagefeed.common.shard_books import ShardBooks
+    from stagefeed.consumer.resume import Resume
 
 log = logging.getLogger(__name__)
 
@@ -167,23 +171,20 @@ class TrainerBase:
                 "step %d: loss is %s; training goes on (--on-nan warn)", record.step, record.loss
             )
 
-    def resume_books(self, checkpoints: Any, joined_only: bool = False) -> int:
+    def resume_books(self, resumed: Resume | None, joined_only: bool = False) -> ShardBooks:
         """With ``--save``: book per-shard input positions in the ledger, from the checkpoint
-        ``checkpoints.resumed`` when there is one (logged in one line); the step to go on from.
-        Call before the intake starts. ``joined_only``: ``ShardBooks``' (a cluster worker)."""
+        ``resumed`` (``checkpoints.resume_point``; logged in one line) when there is one, and
+        step numbers go on from its step; the books, for the trainer's ``Checkpoints``. Call
+        before the intake starts. ``joined_only``: ``ShardBooks``' (a cluster worker)."""
         from stagefeed.common.shard_books import ShardBooks
 
-        resumed = checkpoints.resumed
         books = ShardBooks(resumed.position if resumed else None, joined_only, confirms=True)
         self.ledger.shards = books
-        checkpoints.position = books.position
-        checkpoints.on_saved = books.saved
-        if resumed is None:
-            return 0
-        self.resumed_from = resumed.step
-        self.steps_done = resumed.step
-        log.info("resuming from %s: %s", resumed.path, resumed.describe())
-        return resumed.step
+        if resumed is not None:
+            self.resumed_from = resumed.step
+            self.steps_done = resumed.step
+            log.info("resuming from %s: %s", resumed.path, resumed.describe())
+        return books
 
     def finished(self, step: int) -> str:
         """Why the run is done after ``step`` (``run_end.finished_because``: its planned passes

@@ -17,7 +17,7 @@ from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
-from stagefeed.consumer.checkpoints import Checkpoints
+from stagefeed.consumer.checkpoints import Checkpoints, resume_point
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.graph import feed_graph
 from stagefeed.consumer.graph.saver import saver_format
@@ -83,8 +83,12 @@ class Trainer(TrainerBase):
             self.session.run(v1.global_variables_initializer())
         if options.save_dir is not None:
             model = saver_format(self.session, options.save_dir)
-            self.checkpoints = Checkpoints(options, model, chief=self.place.chief)  # restores
-            self.resume_books(self.checkpoints)
+            resumed = resume_point(options, model, self.place.chief)  # restored into the model
+            books = self.resume_books(resumed)
+            self.checkpoints = Checkpoints(
+                options, model, self.place.chief, resumed=resumed, position=books.position,
+                on_saved=books.saved,
+            )  # fmt: skip
         self._intake = Intake(
             options,
             self.schema,

@@ -48,7 +48,7 @@ from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
-from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
+from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, resume_point
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.keras_fit.callback import FeedCallback
 from stagefeed.consumer.keras_fit.model_check import check_model, check_step
@@ -133,9 +133,7 @@ class KerasTrainer(TrainerBase):
         plan = check_model(ref, model, self.schema, options.targets)
         self.model = model
         if options.save_dir is not None:
-            self.checkpoints = Checkpoints(options, self.model_format(model),
-                                           chief=self.place.chief)  # restores; fmt: skip
-            self.book_positions(self.checkpoints)
+            self.checkpoints = self.book_positions(self.model_format(model))
         check_step(ref, model, plan, strategy)  # after the restore: the state fit would build
         self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False,
                                place=self.place)  # fmt: skip
@@ -150,14 +148,19 @@ class KerasTrainer(TrainerBase):
         """How ``Checkpoints`` saves and restores ``model`` (a ``.keras`` file)."""
         return keras_format(model)
 
-    def book_positions(self, checkpoints: Checkpoints) -> None:
-        """With ``--save``: book the input position per shard (restored from the checkpoint
-        resumed, whose model ``checkpoints`` restored), before the feed binds; the step
-        counter and ``optimizer.iterations`` go on from the checkpoint's step."""
+    def book_positions(self, model_format: ModelFormat) -> Checkpoints:
+        """With ``--save``: the checkpoint resumed restored into the model, the input position
+        booked per shard from it, before the feed binds; the step counter and
+        ``optimizer.iterations`` go on from its step. The run's ``Checkpoints``."""
         assert self.model is not None
-        self.step_base = self.resume_books(checkpoints)
-        if checkpoints.resumed is not None:
+        options, chief = self.options, self.place.chief
+        resumed = resume_point(options, model_format, chief)
+        books = self.resume_books(resumed)
+        self.step_base = resumed.step if resumed is not None else 0
+        if resumed is not None:
             restore_iterations(self.model, self.step_base)
+        return Checkpoints(options, model_format, chief, resumed=resumed,
+                           position=books.position, on_saved=books.saved)  # fmt: skip
 
     @property
     def queue_batches(self) -> int:
