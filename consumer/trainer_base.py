@@ -2,10 +2,9 @@
 
 The graph-mode ``Trainer`` (``consumer.graph.trainer``) and the Keras ``KerasTrainer``
 (``consumer.keras_fit.trainer``) derive from ``TrainerBase``, so the summary, the monitor and the
-exporters read the same attributes from either: ``options``, ``schema``, ``ledger``,
-``steps_done``, ``loss_first``, ``loss_last``, ``loss_finite``, ``data_ended``, ``device``,
-``endpoint``, ``transport``, ``shm_stats()`` and ``queue_batches``. Observers are given only
-``facts`` and ``reader`` (``consumer.observe.figures``), which exist from construction on.
+exporters see the same from either. Observers are given only ``facts`` and ``reader``
+(``consumer.observe.figures``), which exist from construction on; the summary, the
+``RunReport`` the trainer builds at the end (``report``).
 
 Every step goes through ``book_step`` on the training thread: the observers see the record
 (none is kept here), and then the loss policy applies. A NaN or infinite loss with
@@ -27,6 +26,7 @@ from stagefeed.common.ledger import Ledger
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer.observe.figures import RunFacts, RunReader
+from stagefeed.consumer.observe.run_report import ClusterReport, RunReport
 from stagefeed.consumer.run_end import finished_because
 
 if TYPE_CHECKING:
@@ -185,6 +185,41 @@ class TrainerBase:
             self.steps_done = resumed.step
             log.info("resuming from %s: %s", resumed.path, resumed.describe())
         return books
+
+    def report(self) -> RunReport:
+        """What this run did, frozen (``consumer.observe.run_report``): build it once the
+        trainer is closed, for the summary."""
+        ledger = self.ledger
+        return RunReport(
+            options=self.options,
+            device=self.device,
+            endpoint=self.endpoint,
+            transport=self.transport,
+            shm=self.shm_stats(),
+            steps_done=self.steps_done,
+            steps_planned=self.steps_planned,
+            passes_trained=self.passes_trained(),
+            resumed_from=self.resumed_from,
+            loss_first=self.loss_first,
+            loss_last=self.loss_last,
+            loss_finite=self.loss_finite,
+            metrics=dict(self.metrics_last),
+            data_ended=self.data_ended,
+            drained_because=self.drained_because,
+            totals=ledger.totals(),
+            drops_by_reason=ledger.drops_by_reason(),
+            refusals=ledger.refusals(),
+            producers_ended=ledger.read().ended,
+            producers_left=tuple(ledger.left()),
+            connections=ledger.peer_events(),
+            producers=ledger.summary(),
+            producer_count=ledger.producer_count(),
+            cluster=self.cluster_report(),
+        )
+
+    def cluster_report(self) -> ClusterReport | None:
+        """A cluster worker's place and every worker's books, for ``report``; None here."""
+        return None
 
     def finished(self, step: int) -> str:
         """Why the run is done after ``step`` (``run_end.finished_because``: its planned passes

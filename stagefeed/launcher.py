@@ -167,7 +167,7 @@ def _finish(
     from stagefeed.consumer.observe.summary import format_text, summarize, write_json
 
     summary = summarize(
-        trainer, final, time.monotonic() - started, shutdown.by_signal, transport_choice
+        trainer.report(), final, time.monotonic() - started, shutdown.by_signal, transport_choice
     )
     print(format_text(summary), flush=True)
     code = 0

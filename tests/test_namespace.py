@@ -115,7 +115,7 @@ options = TrainerOptions(
 monitor = Monitor(ObserveOptions())
 trainer = model_ref.trainer(options, [monitor], place=NO_CLUSTER).start()
 trainer.close()
-format_text(summarize(trainer, None, 1.0, interrupted=True))
+format_text(summarize(trainer.report(), None, 1.0, interrupted=True))
 graph_mode = "stagefeed.consumer.graph"  # the package: the feeding graph, its trainer, AlexNet
 print(sorted(name for name in sys.modules if name.startswith(graph_mode)))
 """

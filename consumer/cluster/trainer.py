@@ -51,6 +51,7 @@ from stagefeed.consumer.cluster.shared_state import broadcast_variables, sum_ove
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
 from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
+from stagefeed.consumer.observe.run_report import ClusterReport
 from stagefeed.consumer.run_end import Ending, RunEnd
 from stagefeed.consumer.trainer_base import StepObserver, StepRecord, trainer_place
 from stagefeed.consumer.wait_line import WaitLine
@@ -129,6 +130,12 @@ class ClusterTrainer(KerasTrainer):
             options, model_format, cluster.chief, resumed=resumed,
             position=lambda: union_position(cluster, books), on_saved=books.saved,
         )  # fmt: skip
+
+    def cluster_report(self) -> ClusterReport:
+        """This worker's place and every worker's books (None if the run ended before they
+        were summed), for the summary (``report``)."""
+        cluster = self.cluster
+        return ClusterReport(cluster.index, cluster.count, cluster.chief, self.cluster_totals)
 
     def train(self, stop: threading.Event, health_check: Callable[[], None] | None = None) -> None:
         """Train until the cluster's vote ends the run. Raises this worker's own failure
