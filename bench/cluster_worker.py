@@ -22,9 +22,10 @@ def main(argv: list[str]) -> int:
     schema = image_schema(
         batch_size=config["batch_size"], image_size=config["image_size"], dtype="float32"
     )
+    from stagefeed.common.tf_config import place
     from stagefeed.consumer.cluster.strategy import make_cluster
 
-    cluster = make_cluster()  # the process's first TensorFlow op
+    cluster = make_cluster(place())  # the process's first TensorFlow op
     import tensorflow as tf
 
     from stagefeed.bench.keras_model import alexnet

@@ -19,6 +19,11 @@ The *chief* writes the cluster's files (``is_chief``): the ``chief`` task, or wo
 cluster without one. (TensorFlow also calls an evaluator "chief" of its own summaries; an
 evaluator trains nothing here, so it writes no checkpoint.)
 
+A trainer's place (``ClusterPlace``: in a cluster or not, its index, the count, chief or not)
+is resolved once, where the trainer is made (``place``: the launcher, or a trainer or
+``ServedFeed`` made from Python without one), and passed down: the intake, the checkpoints
+and the cluster's strategy take it as a parameter and never read the environment.
+
 Two ways a Kubernetes trainer gets its ``TF_CONFIG`` (docs/kubernetes.md):
 
 - a Kubeflow ``TFJob``: the training operator sets it;
@@ -120,12 +125,45 @@ def from_environ(environ: Mapping[str, str] | None = None) -> TfConfig | None:
     return parse((os.environ if environ is None else environ).get(ENV))
 
 
-def is_chief(text: str | None = None) -> bool:
-    """Whether this process writes the cluster's files: no cluster (a single worker), the
-    ``chief`` task, or worker 0 of a cluster without a chief. ``text`` defaults to
-    ``TF_CONFIG`` in the environment."""
-    config = from_environ() if text is None else parse(text)
-    return config is None or config.is_chief
+@dataclasses.dataclass(frozen=True)
+class ClusterPlace:
+    """Where a trainer stands (see the module docstring). ``index`` counts the chief first
+    (0..count-1), as the strategy numbers its workers; ``chief``: it writes the cluster's
+    files; ``named``: ``TF_CONFIG`` names a cluster (of one trainer or more). The default is
+    no cluster: one trainer, its own chief."""
+
+    index: int = 0
+    count: int = 1
+    chief: bool = True
+    named: bool = False
+
+    @property
+    def in_cluster(self) -> bool:
+        """Whether there is more than one trainer worker."""
+        return self.count > 1
+
+    @classmethod
+    def of(cls, config: TfConfig | None) -> ClusterPlace:
+        """The place ``config`` gives this process (no cluster for None); ``ConfigError`` for
+        a task that does not train (``ps``, ``evaluator``)."""
+        if config is None:
+            return cls()
+        if config.task_type not in TRAINING_TYPES:
+            raise ConfigError(
+                f"{ENV}: a trainer is a 'chief' or 'worker' task, not {config.task_type!r:.40}"
+            )
+        address = config.cluster[config.task_type][config.task_index]
+        index = config.worker_hosts().index(address)
+        return cls(index, config.num_workers, config.is_chief, named=True)
+
+
+NO_CLUSTER = ClusterPlace()
+
+
+def place(environ: Mapping[str, str] | None = None) -> ClusterPlace:
+    """This process's ``ClusterPlace`` from ``TF_CONFIG`` in ``environ`` (default: the
+    environment). Called where a trainer is made, once; everything below takes the value."""
+    return ClusterPlace.of(from_environ(environ))
 
 
 def trainer_endpoints(tf_config: TfConfig | str, port: int) -> list[str]:

@@ -12,7 +12,12 @@ A state file names its model (``model_path``, beside it) and the files that mode
 
 What these checks cannot see (a data file damaged inside) fails at restore, in one line.
 Reading a state file itself (``read_state``): a regular file (a FIFO or a device is refused
-without blocking on it), at most ``MAX_STATE_BYTES``, a JSON object. No TensorFlow here.
+without blocking on it), at most ``MAX_STATE_BYTES``, a JSON object of format ``"version"``
+``STATE_VERSION`` (a file without one, written by stagefeed 0.2.0 and before, is version 1;
+another version is refused). Writing one (``write_state``): a temporary file, fsynced, renamed
+over the state file, then its directory fsynced, so the rename survives a host crash, not only
+a kill of the writer (a finished producer leaves once it is told ``saved``). No TensorFlow
+here.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import json
 import os
 import stat
 import struct
+import tempfile
 import zipfile
 from typing import Any
 
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.excerpt import excerpt
 
+STATE_VERSION = 1  # the state file's format; a file without "version" is version 1
 MAX_STATE_BYTES = 64 * 1024 * 1024
 TABLE_MAGIC = 0xDB4775248B80FB57  # TensorFlow's table footer (tensorflow/core/lib/io/format.h)
 KERAS_MEMBER = "config.json"  # in every .keras archive, beside the weights
@@ -57,7 +65,41 @@ def read_state(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read checkpoint state {path}: {exc}") from None
     if not isinstance(state, dict):
         raise ConfigError(f"checkpoint state {path} is not a JSON object")
+    version = state.get("version", STATE_VERSION)  # none: written before versions (1)
+    if type(version) is not int or version != STATE_VERSION:
+        raise ConfigError(
+            f"checkpoint state {path} has format version {excerpt(version, 40)}; this stagefeed "
+            f"reads version {STATE_VERSION} (a newer stagefeed wrote it?): pass --fresh to "
+            "start over, or resume it with the stagefeed that wrote it"
+        )
     return state
+
+
+def write_state(path: str, state: dict[str, Any]) -> None:
+    """Write ``state`` as the state file ``path``, with its format ``version``: ``path`` is
+    either the old file or the whole new one, whatever kills the writer or the host."""
+    folder = os.path.dirname(path) or "."
+    fd, scratch = tempfile.mkstemp(prefix=".state-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": STATE_VERSION, **state}, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(scratch, path)
+    except BaseException:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+        raise
+    _fsync_directory(folder)
+
+
+def _fsync_directory(folder: str) -> None:
+    """The directory's entries on disk: a rename into it survives a host crash."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def problem(folder: str, state: dict[str, Any]) -> str | None:

@@ -9,17 +9,18 @@ in graph mode, ``.keras`` files for Keras)::
     DIR/state.json                        the run's state at the end, written after the model
 
 A checkpoint is its state file and the model files it names: the state file is written last,
-atomically (a temporary file renamed over it), so a checkpoint is complete or has no state
-file, whatever kills the writer. The state holds the step, the epoch, the run's settings,
-``model_path`` (what to restore, beside the state file), ``finished`` (why the run ended, in
-the final state of a run that is done; false otherwise) and ``input``: the input position,
-read *after* the model was saved, on the train loop's thread, so it holds exactly the batches
-whose effect is in that model (``common.position``; docs/resume.md).
+atomically (a temporary file renamed over it, then its directory fsynced:
+``checkpoint_files.write_state``), so a checkpoint is complete or has no state file, whatever
+kills the writer or the host. The state holds its format ``version``, the step, the epoch, the
+run's settings, ``model_path`` (what to restore, beside the state file), ``finished`` (why
+the run ended, in the final state of a run that is done; false otherwise) and ``input``: the
+input position, read *after* the model was saved, on the train loop's thread, so it holds
+exactly the batches whose effect is in that model (``common.position``; docs/resume.md).
 
 Test hook: ``STAGEFEED_TEST_STATE_DELAY_S`` (seconds, default 0) sleeps between the model and
 its state file, so a test can kill the writer there; not for production use.
 
-Who writes: the chief (``is_chief``, from ``common.tf_config``: TF_CONFIG's rules). Another
+Who writes: the chief (``chief``: the trainer's ``ClusterPlace``, TF_CONFIG's rules). Another
 worker of a cluster saves its model to a temporary directory that is removed at once
 (TensorFlow's multi-worker pattern: saving may need every worker's part in a collective), and
 writes no state; but it reads ``position()`` too, right after its save, because a cluster's
@@ -33,7 +34,8 @@ gather shows that the chief got past its write (the chief writes before it train
 after the cluster's barrier at the end (``confirm_written``).
 
 A directory that already holds a run is resumed from its newest complete checkpoint, or
-refused, or (``--fresh``) moved aside: ``consumer.resume``; the chief decides at start.
+refused, or (``--fresh``) moved aside: ``consumer.resume``; the chief decides at start
+(``resume_point``), before the trainer books positions and makes its ``Checkpoints``.
 
 No TensorFlow here: the trainers hand in how to save their model (``ModelFormat``).
 """
@@ -41,7 +43,6 @@ No TensorFlow here: the trainers hand in how to save their model (``ModelFormat`
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -52,8 +53,8 @@ from typing import Any
 
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition
-from stagefeed.common.tf_config import is_chief
 from stagefeed.consumer import resume
+from stagefeed.consumer.checkpoint_files import write_state
 from stagefeed.consumer.intake.passes import passes_trained
 
 log = logging.getLogger(__name__)
@@ -88,43 +89,60 @@ def check_save_dir(options: TrainerOptions) -> resume.Resume | None:
     return resume.newest(options.save_dir, options)
 
 
+def resume_point(options: TrainerOptions, model: ModelFormat, chief: bool) -> resume.Resume | None:
+    """The checkpoint this run resumes from, restored into ``model``: the chief's decision
+    (``--fresh`` moves the previous run aside first; a newer checkpoint passed over is said
+    in one line); None for a fresh run, and always for a worker other than the chief (the
+    cluster shares the chief's: ``consumer.cluster.positions``). Call before the books."""
+    if options.save_dir is None:
+        raise ValueError("resume_point needs options.save_dir")
+    if not chief:
+        return None
+    if options.fresh and os.path.isdir(options.save_dir):
+        resume.start_over(options.save_dir)
+        return None
+    resumed = check_save_dir(options)
+    if resumed is None:
+        return None
+    passed_over = resumed.passed_over_line()
+    if passed_over is not None:
+        log.warning("%s", passed_over)
+    if model.restore is None:
+        raise ValueError("this model format cannot restore a checkpoint")
+    model.restore(resumed.model_path)
+    return resumed
+
+
 class Checkpoints:
     """Saves the model every ``options.checkpoint_every`` steps and at the end, each with its
     state file (see the module docstring). Call ``after_step`` after every booked step and
     ``final`` once; neither is called for a non-finite model (the loss policy stops first).
 
-    ``resumed``: the checkpoint this run resumes from (the chief's decision, made here:
-    ``--fresh`` moves the previous run aside first). ``position()``: the input position to
-    write, read after each model save (None: no position booked)."""
+    Given at construction, never assigned after: ``chief`` (it writes), ``resumed`` (the
+    checkpoint this run goes on from: ``resume_point``, or the cluster's shared one),
+    ``position()`` (the input position to write, read after each model save; None: no
+    position booked) and ``on_saved(position, finished)`` (see the module docstring)."""
 
     def __init__(
         self,
         options: TrainerOptions,
         model: ModelFormat,
-        chief: bool | None = None,
+        chief: bool,
+        *,
+        resumed: resume.Resume | None = None,
         position: Callable[[], InputPosition | None] | None = None,
+        on_saved: Callable[[InputPosition, bool], None] | None = None,
     ) -> None:
         if options.save_dir is None:
             raise ValueError("Checkpoints needs options.save_dir")
         self.options = options
         self.directory = options.save_dir
         self.model = model
-        self.chief = is_chief() if chief is None else chief
-        self.position = position
-        self.resumed: resume.Resume | None = None
-        if self.chief and options.fresh and os.path.isdir(self.directory):
-            resume.start_over(self.directory)
-        elif self.chief:
-            self.resumed = check_save_dir(options)
-        if self.resumed is not None:
-            passed_over = self.resumed.passed_over_line()
-            if passed_over is not None:
-                log.warning("%s", passed_over)
-            if model.restore is None:
-                raise ValueError("this model format cannot restore a checkpoint")
-            model.restore(self.resumed.model_path)
+        self.chief = chief
+        self.resumed = resumed
+        self._position = position
+        self._on_saved = on_saved
         self.written: list[str] = []  # state files written, oldest first
-        self.on_saved: Callable[[InputPosition, bool], None] | None = None
         # A worker's last position read and whether it was a finished final: the chief writes it.
         self._read_not_yet_written: tuple[InputPosition, bool] | None = None
 
@@ -156,8 +174,8 @@ class Checkpoints:
                 self.model.save(os.path.join(scratch, name))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-            if self.position is not None:  # every worker: a cluster's position is gathered
-                position = self.position()  # (collective): the chief's previous write is done
+            if self._position is not None:  # every worker: a cluster's position is gathered
+                position = self._position()  # (collective): the chief's previous write is done
                 self.confirm_written()
                 self._read_not_yet_written = (position, bool(finished))
             return None
@@ -168,20 +186,20 @@ class Checkpoints:
             log.info("test hook: %.1f s between the model and its state file", delay)
             time.sleep(delay)
         # The position is read now, after the model: what the model has trained, no more.
-        position = self.position() if self.position is not None else None
+        position = self._position() if self._position is not None else None
         path = os.path.join(folder, state)
-        _write_atomically(path, self._state(step, files, name, finished, position))
+        write_state(path, self._state(step, files, name, finished, position))
         self.written.append(path)
-        if self.on_saved is not None and position is not None:
-            self.on_saved(position, bool(finished))
+        if self._on_saved is not None and position is not None:
+            self._on_saved(position, bool(finished))
         return path
 
     def confirm_written(self) -> None:
         """(a worker other than the chief) The chief has written the checkpoint whose position
         this worker read last: tell ``on_saved``. Call once the cluster is past the chief's
         write (a later collective)."""
-        if self._read_not_yet_written is not None and self.on_saved is not None:
-            self.on_saved(*self._read_not_yet_written)
+        if self._read_not_yet_written is not None and self._on_saved is not None:
+            self._on_saved(*self._read_not_yet_written)
         self._read_not_yet_written = None
 
     def _state(
@@ -212,19 +230,3 @@ class Checkpoints:
 def _passes(position: InputPosition | None) -> int | None:
     """Every shard's passes ``position`` holds all of (None: no pass ends)."""
     return None if position is None else passes_trained(position)
-
-
-def _write_atomically(path: str, state: dict[str, Any]) -> None:
-    """Write ``state`` as JSON so that ``path`` is either the old file or the whole new one."""
-    folder = os.path.dirname(path)
-    fd, scratch = tempfile.mkstemp(prefix=".state-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(scratch, path)
-    except BaseException:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-        raise

@@ -2,11 +2,9 @@
 
 The graph-mode ``Trainer`` (``consumer.graph.trainer``) and the Keras ``KerasTrainer``
 (``consumer.keras_fit.trainer``) derive from ``TrainerBase``, so the summary, the monitor and the
-exporters read the same attributes from either: ``options``, ``schema``, ``ledger``,
-``steps_done``, ``loss_first``, ``loss_last``, ``loss_finite``, ``data_ended``, ``device``,
-``endpoint``, ``transport``, ``shm_stats()`` and ``queue_batches``. Observers are given only
-``facts`` and ``reader`` (``consumer.run_facts``, with ``StepRecord`` and ``StepObserver``),
-which exist from construction on.
+exporters see the same from either. Observers are given only ``facts`` and ``reader``
+(``consumer.run_facts``, with ``StepRecord`` and ``StepObserver``), which exist from
+construction on; the summary, the ``RunReport`` the trainer builds at the end (``report``).
 
 Every step goes through ``book_step`` on the training thread: the observers see the record
 (none is kept here), and then the loss policy applies. A NaN or infinite loss with
@@ -19,15 +17,29 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from stagefeed.common import tf_config
 from stagefeed.common.errors import NonFiniteLoss
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.run_end import finished_because
 from stagefeed.consumer.run_facts import RunFacts, RunReader, StepObserver, StepRecord
+from stagefeed.consumer.run_report import ClusterReport, RunReport
+
+if TYPE_CHECKING:
+    from stagefeed.consumer.books.shard_books import ShardBooks
+    from stagefeed.consumer.resume import Resume
 
 log = logging.getLogger(__name__)
+
+
+def trainer_place(place: ClusterPlace | None) -> ClusterPlace:
+    """``place``, or for a trainer made from Python without one, this process's ``TF_CONFIG``
+    (``tf_config.place``): resolved once, where the trainer is made; what it holds is passed
+    to the intake and the checkpoints, which never read the environment."""
+    return tf_config.place() if place is None else place
 
 
 class TrainerBase:
@@ -35,6 +47,7 @@ class TrainerBase:
 
     ``ledger`` is the books of batches, shared with the intake. ``_intake`` is set by the
     subclass once it has started one (transport and shared-memory figures come from it).
+    ``place``: where this trainer stands in a ``TF_CONFIG`` cluster (``trainer_place``).
     """
 
     # True: what the trainer holds must not be torn down in the process (the cluster worker's
@@ -49,8 +62,10 @@ class TrainerBase:
         configure_server: Callable[[Any], None] | None = None,
         *,
         device: str,
+        place: ClusterPlace | None = None,
     ) -> None:
         self.options = options
+        self.place = trainer_place(place)
         self.schema = options.schema
         self.observers = list(observers)
         self.ledger = Ledger()
@@ -135,23 +150,55 @@ class TrainerBase:
                 "step %d: loss is %s; training goes on (--on-nan warn)", record.step, record.loss
             )
 
-    def resume_books(self, checkpoints: Any, joined_only: bool = False) -> int:
+    def resume_books(self, resumed: Resume | None, joined_only: bool = False) -> ShardBooks:
         """With ``--save``: book per-shard input positions in the ledger, from the checkpoint
-        ``checkpoints.resumed`` when there is one (logged in one line); the step to go on from.
-        Call before the intake starts. ``joined_only``: ``ShardBooks``' (a cluster worker)."""
+        ``resumed`` (``checkpoints.resume_point``; logged in one line) when there is one, and
+        step numbers go on from its step; the books, for the trainer's ``Checkpoints``. Call
+        before the intake starts. ``joined_only``: ``ShardBooks``' (a cluster worker)."""
         from stagefeed.consumer.books.shard_books import ShardBooks
 
-        resumed = checkpoints.resumed
         books = ShardBooks(resumed.position if resumed else None, joined_only, confirms=True)
         self.ledger.shards = books
-        checkpoints.position = books.position
-        checkpoints.on_saved = books.saved
-        if resumed is None:
-            return 0
-        self.resumed_from = resumed.step
-        self.steps_done = resumed.step
-        log.info("resuming from %s: %s", resumed.path, resumed.describe())
-        return resumed.step
+        if resumed is not None:
+            self.resumed_from = resumed.step
+            self.steps_done = resumed.step
+            log.info("resuming from %s: %s", resumed.path, resumed.describe())
+        return books
+
+    def report(self) -> RunReport:
+        """What this run did, frozen (``consumer.run_report``): build it once the
+        trainer is closed, for the summary."""
+        ledger = self.ledger
+        return RunReport(
+            options=self.options,
+            device=self.device,
+            endpoint=self.endpoint,
+            transport=self.transport,
+            shm=self.shm_stats(),
+            steps_done=self.steps_done,
+            steps_planned=self.steps_planned,
+            passes_trained=self.passes_trained(),
+            resumed_from=self.resumed_from,
+            loss_first=self.loss_first,
+            loss_last=self.loss_last,
+            loss_finite=self.loss_finite,
+            metrics=dict(self.metrics_last),
+            data_ended=self.data_ended,
+            drained_because=self.drained_because,
+            totals=ledger.totals(),
+            drops_by_reason=ledger.drops_by_reason(),
+            refusals=ledger.refusals(),
+            producers_ended=ledger.read().ended,
+            producers_left=tuple(ledger.left()),
+            connections=ledger.peer_events(),
+            producers=ledger.summary(),
+            producer_count=ledger.producer_count(),
+            cluster=self.cluster_report(),
+        )
+
+    def cluster_report(self) -> ClusterReport | None:
+        """A cluster worker's place and every worker's books, for ``report``; None here."""
+        return None
 
     def finished(self, step: int) -> str:
         """Why the run is done after ``step`` (``run_end.finished_because``: its planned passes

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from stagefeed import loopback
+from stagefeed.common import tf_config
 from stagefeed.common.errors import (
     EXIT_BROKEN,
     EXIT_CONFIG,
@@ -34,7 +35,6 @@ from stagefeed.common.ipc_file import sweep_leftovers
 from stagefeed.common.lifecycle import Shutdown, end_process, exit_if_threads_left
 from stagefeed.common.options import ObserveOptions, ProducerOptions, TrainerOptions
 from stagefeed.common.paths import check_writable_dir, check_writable_file
-from stagefeed.common.tf_config import apply_indexed_job
 from stagefeed.producer.pool import Producers
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def _finish(
     from stagefeed.consumer.observe.summary import format_text, summarize, write_json
 
     summary = summarize(
-        trainer, final, time.monotonic() - started, shutdown.by_signal, transport_choice
+        trainer.report(), final, time.monotonic() - started, shutdown.by_signal, transport_choice
     )
     print(format_text(summary), flush=True)
     code = 0
@@ -202,7 +202,8 @@ def train(
     """Listen, train ``options.total_steps`` steps (or until a signal), print the summary."""
     shutdown = shutdown or Shutdown().install()
     _check_outputs(json_path, observe.logdir, options)
-    apply_indexed_job()  # TF_CONFIG, checked or derived, before TensorFlow reads it
+    # TF_CONFIG, checked or derived, before TensorFlow reads it: the trainer's place, read once.
+    place = tf_config.ClusterPlace.of(tf_config.apply_indexed_job())
     # TensorFlow loads here (seconds): a signal meanwhile takes effect once it has loaded.
     from stagefeed.consumer.quiet_tf import import_tensorflow
 
@@ -211,7 +212,7 @@ def train(
     from stagefeed.consumer.observe.monitor import Monitor
 
     monitor = Monitor(observe)
-    trainer = trainers.trainer(options, [monitor], _server_configurator(options))
+    trainer = trainers.trainer(options, [monitor], _server_configurator(options), place=place)
     started = time.monotonic()
     failure: StagefeedError | None = None
     try:
@@ -248,6 +249,7 @@ def run_local(
     sweep_leftovers()  # what killed runs left in the temp directory under run's own names
     if loop.asked == "auto":  # after every check: a refused start says one line only
         log.info("--transport auto: %s (%s)", loop.chosen, loop.reason)
+    place = tf_config.place()  # the trainer's place in a TF_CONFIG cluster, read once
     from stagefeed.consumer.quiet_tf import import_tensorflow
 
     import_tensorflow()  # seconds
@@ -255,7 +257,7 @@ def run_local(
     from stagefeed.consumer.observe.monitor import Monitor
 
     monitor = Monitor(observe)
-    trainer = trainers.trainer(options, [monitor], _server_configurator(options))
+    trainer = trainers.trainer(options, [monitor], _server_configurator(options), place=place)
     pool: Producers | None = None
     failure: StagefeedError | None = None
     started = time.monotonic()

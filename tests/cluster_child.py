@@ -30,10 +30,11 @@ SETTINGS = json.loads(sys.argv[1])
 
 if not SETTINGS.get("reference"):
     # The strategy is made first: collectives must be configured before any TensorFlow op.
+    from stagefeed.common.tf_config import place
     from stagefeed.consumer.cluster.strategy import make_cluster
 
     CLUSTER = make_cluster(
-        timeout_s=SETTINGS.get("timeout_s"), heartbeat_s=SETTINGS.get("heartbeat_s")
+        place(), timeout_s=SETTINGS.get("timeout_s"), heartbeat_s=SETTINGS.get("heartbeat_s")
     )
 
 import keras  # noqa: E402

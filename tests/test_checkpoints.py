@@ -15,7 +15,13 @@ import pytest
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition, StreamPosition
-from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, check_save_dir, is_chief
+from stagefeed.common.tf_config import place
+from stagefeed.consumer.checkpoints import (
+    Checkpoints,
+    ModelFormat,
+    check_save_dir,
+    resume_point,
+)
 from tests.conftest import run_cli
 from tests.regression_models import SCHEMA
 
@@ -119,11 +125,13 @@ def test_a_position_is_told_saved_only_once_its_state_file_is_written(tmp_path):
     positions = [InputPosition(1, {0: StreamPosition(n)}) for n in (2, 4, 5)]
     for chief in (True, False):
         read, told = iter(positions), []
-        checkpoints = Checkpoints(options(tmp_path / str(chief)), FileModel().format(),
-                                  chief=chief, position=lambda read=read: next(read))  # fmt: skip
-        checkpoints.on_saved = lambda position, finished, told=told: told.append(
-            position.of(0).next if not finished else -position.of(0).next
-        )
+        checkpoints = Checkpoints(
+            options(tmp_path / str(chief)), FileModel().format(), chief=chief,
+            position=lambda read=read: next(read),
+            on_saved=lambda position, finished, told=told: told.append(
+                position.of(0).next if not finished else -position.of(0).next
+            ),
+        )  # fmt: skip
         checkpoints.after_step(2)
         assert told == ([2] if chief else [])
         checkpoints.after_step(4)
@@ -146,14 +154,13 @@ def test_a_position_is_told_saved_only_once_its_state_file_is_written(tmp_path):
          '"index": 0}}', True),
     ],
 )  # fmt: skip
-def test_the_chief_is_told_from_tf_config(monkeypatch, tf_config, chief):
-    monkeypatch.delenv("TF_CONFIG", raising=False)
-    assert is_chief(tf_config or "") is chief
+def test_the_chief_is_told_from_tf_config(tf_config, chief):
+    assert place({"TF_CONFIG": tf_config} if tf_config else {}).chief is chief
 
 
 def test_a_malformed_tf_config_is_a_config_error():
     with pytest.raises(ConfigError, match="TF_CONFIG"):
-        is_chief('{"task": "worker"')
+        place({"TF_CONFIG": '{"task": "worker"'})
 
 
 @pytest.mark.parametrize(
@@ -170,7 +177,7 @@ def test_a_directory_holding_a_run_but_no_complete_checkpoint_is_refused(tmp_pat
     with pytest.raises(ConfigError, match="no complete checkpoint to resume from; pass --fresh"):
         check_save_dir(options(tmp_path))
     with pytest.raises(ConfigError, match="no complete checkpoint"):
-        Checkpoints(options(tmp_path), FileModel().format(), chief=True)
+        resume_point(options(tmp_path), FileModel().format(), chief=True)
 
 
 def _run_to(tmp_path, steps: int, position: InputPosition | None = None, **more) -> FileModel:
@@ -187,8 +194,9 @@ def test_a_run_resumes_from_its_newest_complete_checkpoint(tmp_path):
     _run_to(tmp_path, 6, position)
     os.unlink(tmp_path / "checkpoints" / "model-6.bin")  # killed while writing: incomplete
     model = FileModel()
-    checkpoints = Checkpoints(options(tmp_path), model.format(), chief=True)
-    resumed = checkpoints.resumed
+    assert resume_point(options(tmp_path), model.format(), chief=False) is None  # not its call
+    assert model.restored == []
+    resumed = resume_point(options(tmp_path), model.format(), chief=True)
     assert resumed is not None and resumed.step == 4
     assert model.restored == [str(tmp_path / "checkpoints" / "model-4.bin")]
     assert resumed.position.to_dict() == position.to_dict()
@@ -223,8 +231,7 @@ def test_a_finished_run_or_one_without_a_position_is_not_resumed(tmp_path):
 
 def test_fresh_moves_the_previous_run_aside_and_starts_over(tmp_path):
     _run_to(tmp_path, 4, InputPosition(1))
-    checkpoints = Checkpoints(options(tmp_path, fresh=True), FileModel().format(), chief=True)
-    assert checkpoints.resumed is None
+    assert resume_point(options(tmp_path, fresh=True), FileModel().format(), chief=True) is None
     kept = [n for n in os.listdir(tmp_path) if n.startswith("previous-")]
     assert len(kept) == 1 and os.listdir(tmp_path) == kept
     assert sorted(os.listdir(tmp_path / kept[0] / "checkpoints"))[-1] == "state-000004.json"
@@ -241,3 +248,24 @@ def test_the_command_line_refuses_an_unresumable_directory_before_anything_start
         "previous-<time>/)"
     ]
     assert "TensorFlow" not in done.stderr
+
+
+def test_what_checkpoints_are_given_is_given_at_construction_never_assigned_after():
+    """``position``, ``on_saved`` and ``resumed`` go to the constructor (issue 29): no module
+    of the trainer assigns an attribute of a ``Checkpoints`` it holds."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "consumer"
+    assigned = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+            )  # fmt: skip
+            for target in targets:
+                if isinstance(target, ast.Attribute) and "checkpoints" in ast.unparse(
+                    target.value
+                ).split(".")[-1]:
+                    assigned.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert assigned == [], assigned

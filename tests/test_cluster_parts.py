@@ -9,6 +9,8 @@ import pytest
 import tensorflow as tf
 
 from stagefeed.common.errors import ConfigError
+from stagefeed.common.tf_config import NO_CLUSTER, ClusterPlace
+from stagefeed.common.tf_config import place as tf_place
 from stagefeed.consumer.cluster import strategy
 from stagefeed.consumer.cluster.collective_stop import decode, vote_for
 from stagefeed.consumer.cluster.loop import broken_cause
@@ -22,13 +24,18 @@ def tf_config(kind: str = "worker", index: int = 0, workers: int = 2, chief: int
     return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})}
 
 
-def test_worker_place_counts_the_chief_first():
-    assert strategy.worker_place({}) == (0, 1)
-    assert strategy.worker_place(tf_config("worker", 1)) == (1, 2)
-    assert strategy.worker_place(tf_config("chief", 0, chief=1)) == (0, 3)
-    assert strategy.worker_place(tf_config("worker", 1, chief=1)) == (2, 3)
-    assert strategy.in_cluster(tf_config()) and not strategy.in_cluster(tf_config(workers=1))
-    assert not strategy.in_cluster({})
+def _at(place: ClusterPlace) -> tuple[int, int, bool]:
+    return place.index, place.count, place.chief
+
+
+def test_the_place_counts_the_chief_first():
+    assert _at(tf_place({})) == (0, 1, True)
+    assert _at(tf_place(tf_config("worker", 1))) == (1, 2, False)
+    assert _at(tf_place(tf_config("chief", 0, chief=1))) == (0, 3, True)
+    assert _at(tf_place(tf_config("worker", 1, chief=1))) == (2, 3, False)
+    assert tf_place(tf_config()).in_cluster and not tf_place(tf_config(workers=1)).in_cluster
+    assert tf_place(tf_config(workers=1)).named and not tf_place({}).named
+    assert not tf_place({}).in_cluster
 
 
 @pytest.mark.parametrize(
@@ -41,27 +48,26 @@ def test_worker_place_counts_the_chief_first():
 )
 def test_a_bad_tf_config_is_one_config_error(environ, complaint):
     with pytest.raises(ConfigError, match=complaint):
-        strategy.worker_place(environ)
+        tf_place(environ)
 
 
 def test_graph_mode_is_refused_in_a_cluster_with_one_line():
-    strategy.refuse_in_cluster("graph mode", {})
+    strategy.refuse_in_cluster("graph mode", tf_place({}))
     with pytest.raises(ConfigError) as raised:
-        strategy.refuse_in_cluster("graph mode", tf_config(workers=3))
+        strategy.refuse_in_cluster("graph mode", tf_place(tf_config(workers=3)))
     assert str(raised.value) == (
         "graph mode trains on one worker, and TF_CONFIG names a cluster of 3: several "
         "trainers need a Keras --model build(schema), or unset TF_CONFIG"
     )
 
 
-def test_make_cluster_refuses_bad_settings_before_tensorflow_starts(monkeypatch):
-    monkeypatch.delenv("TF_CONFIG", raising=False)
+def test_make_cluster_refuses_bad_settings_before_tensorflow_starts():
     with pytest.raises(ConfigError, match="need TF_CONFIG"):
-        strategy.make_cluster()
+        strategy.make_cluster(NO_CLUSTER)
     with pytest.raises(ConfigError, match="one of"):
-        strategy.make_cluster(implementation="gloo")
+        strategy.make_cluster(NO_CLUSTER, implementation="gloo")
     with pytest.raises(ConfigError, match="> 0 seconds"):
-        strategy.make_cluster(timeout_s=0)
+        strategy.make_cluster(NO_CLUSTER, timeout_s=0)
 
 
 def test_the_verdict_is_the_highest_vote_and_names_who_and_why():

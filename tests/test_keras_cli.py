@@ -15,6 +15,7 @@ import pytest
 from examples import keras_images
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import NO_CLUSTER
 from stagefeed.consumer import trainers
 from tests import regression_models
 from tests.conftest import run_cli, wait_for
@@ -96,7 +97,7 @@ def test_a_keras_build_that_breaks_the_convention_is_refused_before_binding(buil
         bind="tcp://127.0.0.1:*", schema=regression_models.SCHEMA, model=build, queue_mb=1
     )
     with pytest.raises(ConfigError) as refused:
-        trainers.trainer(options).start()
+        trainers.trainer(options, place=NO_CLUSTER).start()
     message = str(refused.value)
     assert message.startswith(f"--model {build!r}"), message
     assert named in message and "\n" not in message, message
@@ -108,7 +109,7 @@ def test_targets_must_match_the_outputs():
         model="tests.regression_models:build", queue_mb=1, targets=("targets", "features"),
     )  # fmt: skip
     with pytest.raises(ConfigError, match="cannot be both an input and a target"):
-        trainers.trainer(options).start()
+        trainers.trainer(options, place=NO_CLUSTER).start()
 
 
 def test_a_bad_model_on_the_command_line_is_one_line_and_exit_2_before_any_producer():

@@ -10,6 +10,7 @@ import pytest
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import NO_CLUSTER
 from stagefeed.consumer import model_ref, trainers
 from tests import regression_models
 from tests.conftest import run_cli
@@ -64,7 +65,7 @@ def _options(model: str) -> TrainerOptions:
     ("name", "trainer"), [("build_default", "KerasTrainer"), ("linear_fn_default", "Trainer")]
 )
 def test_defaults_build_and_start_the_trainer_of_their_kind(name, trainer):
-    started = trainers.trainer(_options(M + name)).start()
+    started = trainers.trainer(_options(M + name), place=NO_CLUSTER).start()
     try:
         assert type(started).__name__ == trainer
         assert started.endpoint.startswith("tcp://127.0.0.1:")
@@ -74,7 +75,7 @@ def test_defaults_build_and_start_the_trainer_of_their_kind(name, trainer):
 
 def test_a_marked_model_fn_that_returns_a_keras_model_is_refused_at_start():
     with pytest.raises(ConfigError) as refused:
-        trainers.trainer(_options(M + "marked_graph_returns_a_model")).start()
+        trainers.trainer(_options(M + "marked_graph_returns_a_model"), place=NO_CLUSTER).start()
     message = str(refused.value)
     assert message.startswith(f"--model {M + 'marked_graph_returns_a_model'!r}: "), message
     assert "returned a Functional, not (loss, train_op); a Keras build? mark it" in message

@@ -138,7 +138,7 @@ def test_the_summary_takes_the_final_figures_as_they_are() -> None:
     # The summary's own books are a trainer's (never started); its step figures are the
     # monitor's.
     trainer = Trainer(TrainerOptions(bind="tcp://127.0.0.1:*", schema=SPEC, steps=3))
-    summary = summarize(trainer, final, wall_s=10.0, interrupted=False)
+    summary = summarize(trainer.report(), final, wall_s=10.0, interrupted=False)
     assert summary["median_ms"] == summary["p10_ms"] == summary["p90_ms"] == 300.0
     assert summary["stall_pct"] == round(final.window.stall_pct, 2) == 33.33
     assert summary["examples_per_s"] == round(final.window.examples_per_s, 2)
@@ -157,7 +157,7 @@ def test_the_summary_takes_the_final_figures_as_they_are() -> None:
     assert memory["heap_free_mb"] >= 0
     assert f"memory: peak RSS {memory['peak_rss_mb']} MiB" in format_text(summary)
 
-    never = summarize(trainer, None, wall_s=1.0, interrupted=True)
+    never = summarize(trainer.report(), None, wall_s=1.0, interrupted=True)
     assert never["median_ms"] is never["stall_pct"] is never["examples_per_s"] is None
     assert "advice" not in never and "bottleneck" not in never
 

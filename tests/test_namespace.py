@@ -104,6 +104,7 @@ import sys
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer import trainers
 from stagefeed.common.options import ObserveOptions
+from stagefeed.common.tf_config import NO_CLUSTER
 from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.summary import format_text, summarize
 from tests.regression_models import SCHEMA
@@ -112,9 +113,9 @@ options = TrainerOptions(
     bind="tcp://127.0.0.1:*", schema=SCHEMA, model="tests.regression_models:build"
 )
 monitor = Monitor(ObserveOptions())
-trainer = trainers.trainer(options, [monitor]).start()
+trainer = trainers.trainer(options, [monitor], place=NO_CLUSTER).start()
 trainer.close()
-format_text(summarize(trainer, None, 1.0, interrupted=True))
+format_text(summarize(trainer.report(), None, 1.0, interrupted=True))
 graph_mode = "stagefeed.consumer.graph"  # the package: the feeding graph, its trainer, AlexNet
 print(sorted(name for name in sys.modules if name.startswith(graph_mode)))
 """

@@ -173,20 +173,22 @@ def test_a_shard_fed_to_two_workers_is_refused_at_the_first_checkpoint(start_cli
     assert not list((run.save(0) / "checkpoints").glob("state-*.json"))
 
 
-def test_a_cluster_worker_refuses_a_producer_with_passes(monkeypatch):
+def test_a_cluster_worker_refuses_a_producer_with_passes():
     """A pass ends when every shard ended it, and a cluster worker sees only its own shards:
-    the hello of a source with passes is refused (reason ``shard``), saying why."""
+    the hello of a source with passes is refused (reason ``shard``), saying why. The worker's
+    place is handed to the intake (resolved from TF_CONFIG where the trainer is made)."""
     import zmq
 
-    from stagefeed.common import protocol
+    from stagefeed.common import protocol, tf_config
     from stagefeed.common.options import TrainerOptions
     from stagefeed.consumer.books.ledger import Ledger
     from stagefeed.consumer.intake.intake import Intake
     from tests.resume_models import SCHEMA
 
-    monkeypatch.setenv("TF_CONFIG", cluster_config(1, distinct_ports(WORKERS)))
+    place = tf_config.place({"TF_CONFIG": cluster_config(1, distinct_ports(WORKERS))})
     options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=SCHEMA, queue_mb=1)
-    intake = Intake(options, SCHEMA, lambda arrays, peer, seq: True, Ledger()).start()
+    intake = Intake(options, SCHEMA, lambda arrays, peer, seq: True, Ledger(), place=place)
+    intake.start()
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)

@@ -1,8 +1,8 @@
 """State files and checkpoints under bad values (issue 28), through the real CLI: a state file
-out of bounds, malformed, or not a regular file is refused at start in one line (exit 2,
-no traceback, no wait); a newest checkpoint whose model is missing or cut short is passed
-over for the complete one before it (said in one line), or refused in one line when there is
-none; a model damaged inside fails its restore in one line.
+out of bounds, malformed, not a regular file or of an unknown format version (issue 29) is
+refused at start in one line (exit 2, no traceback, no wait); a newest checkpoint whose model
+is missing or cut short is passed over for the complete one before it (said in one line), or
+refused in one line when there is none; a model damaged inside fails its restore in one line.
 
 Covers consumer/resume.py, consumer/checkpoint_files.py, common/position.py (reading),
 consumer/graph/saver.py and consumer/keras_fit/resume_fit.py (restoring).
@@ -202,3 +202,14 @@ def test_a_model_damaged_inside_fails_its_restore_in_one_line(copy, kind, said):
     errors = [line for line in done.stderr.splitlines() if line.startswith("stagefeed: error:")]
     assert len(errors) == 1 and errors == done.stderr.strip().splitlines()[-1:], done.stderr
     assert f"cannot restore checkpoint {save}/checkpoints/" in errors[0] and said in errors[0]
+
+
+@pytest.mark.parametrize("name", ["state.json", NEWEST])
+def test_a_state_file_of_an_unknown_format_version_is_refused_in_one_line(copy, name):
+    save = copy("graph")
+    if name == "state.json":
+        shutil.copy(save / NEWEST, save / name)
+    _edit(save / name, lambda s: s.update(version=2))
+    line = _one_line_refusal(save)
+    said = f"checkpoint state {save / name} has format version 2; this stagefeed reads version 1"
+    assert said in line, line

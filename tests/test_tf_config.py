@@ -93,14 +93,16 @@ def test_ipv6_addresses_keep_their_brackets_in_endpoints():
 @pytest.mark.parametrize("text", [None, "", "  ", "{}", '{"cluster": {}}'])
 def test_no_cluster_is_one_local_worker(text):
     assert tf_config.parse(text) is None
-    assert tf_config.is_chief(text if text is not None else "") is True
+    environ = {} if text is None else {"TF_CONFIG": text}
+    assert tf_config.place(environ) == tf_config.NO_CLUSTER
+    assert tf_config.NO_CLUSTER.chief and not tf_config.NO_CLUSTER.in_cluster
 
 
-def test_is_chief_reads_the_environment(monkeypatch):
+def test_the_place_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", config({"worker": ["a:1", "b:1"]}, "worker", 1))
-    assert tf_config.is_chief() is False
+    assert tf_config.place() == tf_config.ClusterPlace(1, 2, chief=False, named=True)
     monkeypatch.delenv("TF_CONFIG")
-    assert tf_config.is_chief() is True
+    assert tf_config.place() == tf_config.NO_CLUSTER
 
 
 @pytest.mark.parametrize(

@@ -24,21 +24,20 @@ Python's back (``common.lifecycle.reclaim_stop_signals``), so SIGTERM stops a wo
 stops one trainer.
 
 TF_CONFIG: TensorFlow's ``TFConfigClusterResolver`` reads it. The few facts needed before
-TensorFlow loads (``in_cluster``, and the worker index and count for log lines) come from
-``stagefeed.common.tf_config``, which checks it with TensorFlow's rules. Who is chief follows
-``tf_config.is_chief`` (the chief task, or worker 0 of a cluster without one).
+TensorFlow loads (in a cluster or not, the worker index and count, chief or not) are the
+``ClusterPlace`` the trainer's maker resolved once (``stagefeed.common.tf_config.place``, which
+checks it with TensorFlow's rules) and hands in; nothing here reads the environment.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
 from typing import Any
 
-from stagefeed.common import tf_config
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import reclaim_stop_signals
+from stagefeed.common.tf_config import ClusterPlace
 
 log = logging.getLogger(__name__)
 
@@ -64,44 +63,26 @@ class Cluster:
         return f"worker {self.index}/{self.count}{role}, {self.replicas} replicas"
 
 
-def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``TF_CONFIG`` names a cluster of more than one trainer worker."""
-    config = tf_config.from_environ(environ)
-    return config is not None and config.num_workers > 1
-
-
-def worker_place(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """(index, count) of this worker, the chief first; (0, 1) without ``TF_CONFIG``."""
-    config = tf_config.from_environ(environ)
-    if config is None:
-        return 0, 1
-    if config.task_type not in tf_config.TRAINING_TYPES:
+def refuse_in_cluster(what: str, place: ClusterPlace) -> None:
+    """``ConfigError`` in one line if ``place`` is in a cluster: for what runs on one worker
+    only (graph mode)."""
+    if place.in_cluster:
         raise ConfigError(
-            f"TF_CONFIG: a trainer is a 'chief' or 'worker' task, not {config.task_type!r:.40}"
-        )
-    address = config.cluster[config.task_type][config.task_index]
-    return config.worker_hosts().index(address), config.num_workers
-
-
-def refuse_in_cluster(what: str, environ: Mapping[str, str] | None = None) -> None:
-    """``ConfigError`` in one line if ``TF_CONFIG`` names a cluster: for what runs on one
-    worker only (graph mode)."""
-    if in_cluster(environ):
-        _, count = worker_place(environ)
-        raise ConfigError(
-            f"{what} trains on one worker, and TF_CONFIG names a cluster of {count}: several "
-            "trainers need a Keras --model build(schema), or unset TF_CONFIG"
+            f"{what} trains on one worker, and TF_CONFIG names a cluster of {place.count}: "
+            "several trainers need a Keras --model build(schema), or unset TF_CONFIG"
         )
 
 
 def make_cluster(
+    place: ClusterPlace,
     *,
     timeout_s: float | None = None,
     implementation: str = "auto",
     heartbeat_s: float | None = None,
     join_s: float = JOIN_S,
 ) -> Cluster:
-    """The strategy for this process's ``TF_CONFIG``; call before any other TensorFlow op."""
+    """The strategy for this process's ``TF_CONFIG``, which ``place`` was resolved from (the
+    trainer's maker read it: ``tf_config.place``); call before any other TensorFlow op."""
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"collective implementation must be one of {IMPLEMENTATIONS}, "
                           f"got {implementation!r:.40}")  # fmt: skip
@@ -111,9 +92,8 @@ def make_cluster(
         raise ConfigError(f"heartbeat timeout must be > 0 seconds, got {heartbeat_s!r:.40}")
     if not join_s > 0:
         raise ConfigError(f"cluster join timeout must be > 0 seconds, got {join_s!r:.40}")
-    if tf_config.from_environ() is None:
+    if not place.named:
         raise ConfigError("several trainers need TF_CONFIG (cluster and task); it is not set")
-    index, count = worker_place()
     import tensorflow as tf
 
     _configure_coordination(heartbeat_s, join_s)
@@ -128,7 +108,7 @@ def make_cluster(
     except tf.errors.DeadlineExceededError:
         raise BrokenError(
             f"the cluster did not form within {join_s:g} s (--cluster-join-timeout-s): not "
-            f"every worker of TF_CONFIG joined worker {index}; one that refused to start (a "
+            f"every worker of TF_CONFIG joined worker {place.index}; one that refused to start (a "
             "--save holding a finished run, a bad flag) says why in its own log"
         ) from None
     except RuntimeError as exc:
@@ -145,9 +125,9 @@ def make_cluster(
         strategy=strategy,
         task_type=resolver.task_type,
         task_index=int(resolver.task_id),
-        index=index,
-        count=count,
-        chief=tf_config.is_chief(),
+        index=place.index,
+        count=place.count,
+        chief=place.chief,
         replicas=strategy.num_replicas_in_sync,
     )
     log.info("cluster: %s, collectives %s, timeout %s, heartbeat %s", cluster, implementation,

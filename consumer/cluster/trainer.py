@@ -40,8 +40,9 @@ from typing import Any
 from stagefeed.common.errors import BrokenError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
-from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
+from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, resume_point
 from stagefeed.consumer.cluster import loop
 from stagefeed.consumer.cluster.collective_stop import vote_for
 from stagefeed.consumer.cluster.peer_stop import PeerStop
@@ -52,6 +53,8 @@ from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterat
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd
 from stagefeed.consumer.run_facts import StepObserver, StepRecord
+from stagefeed.consumer.run_report import ClusterReport
+from stagefeed.consumer.trainer_base import trainer_place
 from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
@@ -80,9 +83,12 @@ class ClusterTrainer(KerasTrainer):
         observers: Sequence[StepObserver] = (),
         configure_server: Callable[[Any], None] | None = None,
         build: Callable[[Any], Any] | None = None,
+        *,
+        place: ClusterPlace | None = None,
     ) -> None:
-        self.cluster: Cluster = make_cluster(join_s=options.cluster_join_s)  # before any TF op
-        super().__init__(options, observers, configure_server, build)
+        place = trainer_place(place)
+        self.cluster: Cluster = make_cluster(place, join_s=options.cluster_join_s)  # first TF op
+        super().__init__(options, observers, configure_server, build, place=place)
         self._wait_s = 0.0
         self._last_end = 0.0
         self.cluster_totals: dict[str, int] | None = None  # after train(): every worker's books
@@ -101,13 +107,14 @@ class ClusterTrainer(KerasTrainer):
         the optimizer under the strategy at the same point, then gets the chief's weights."""
         return dataclasses.replace(keras_format(model), restore=lambda path: None)
 
-    def book_positions(self, checkpoints: Checkpoints) -> None:
+    def book_positions(self, model_format: ModelFormat) -> Checkpoints:
         """The chief's checkpoint (or a fresh start) on every worker: its weights, step and
         input position; then this worker's books, read as the cluster's union at each
-        checkpoint (every worker, collectives in the same order)."""
+        checkpoint (every worker, collectives in the same order). The run's ``Checkpoints``."""
         assert self.model is not None
-        cluster, model = self.cluster, self.model
-        resumed = share_resume(cluster, checkpoints.resumed)
+        cluster, model, options = self.cluster, self.model, self.options
+        # The chief decides (its restore waits: ``model_format``), then every worker has it.
+        resumed = share_resume(cluster, resume_point(options, model_format, cluster.chief))
         if resumed is not None:
             with cluster.strategy.scope():
                 if not model.optimizer.built:
@@ -117,13 +124,20 @@ class ClusterTrainer(KerasTrainer):
             broadcast_variables(
                 cluster.strategy, _unique([*model.weights, *model.optimizer.variables])
             )
-        checkpoints.resumed = resumed
-        self.step_base = self.resume_books(checkpoints, joined_only=True)
+        books = self.resume_books(resumed, joined_only=True)
+        self.step_base = resumed.step if resumed is not None else 0
         if resumed is not None:
             restore_iterations(model, self.step_base)
-        books = self.ledger.shards
-        assert books is not None
-        checkpoints.position = lambda: union_position(cluster, books)
+        return Checkpoints(
+            options, model_format, cluster.chief, resumed=resumed,
+            position=lambda: union_position(cluster, books), on_saved=books.saved,
+        )  # fmt: skip
+
+    def cluster_report(self) -> ClusterReport:
+        """This worker's place and every worker's books (None if the run ended before they
+        were summed), for the summary (``report``)."""
+        cluster = self.cluster
+        return ClusterReport(cluster.index, cluster.count, cluster.chief, self.cluster_totals)
 
     def train(self, stop: threading.Event, health_check: Callable[[], None] | None = None) -> None:
         """Train until the cluster's vote ends the run. Raises this worker's own failure

@@ -16,8 +16,9 @@ import tensorflow as tf
 
 from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
-from stagefeed.consumer.checkpoints import Checkpoints
+from stagefeed.consumer.checkpoints import Checkpoints, resume_point
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.graph import feed_graph
 from stagefeed.consumer.graph.saver import saver_format
@@ -52,9 +53,11 @@ class Trainer(TrainerBase):
         observers: Sequence[StepObserver] = (),
         configure_server: Callable[[Any], None] | None = None,
         model_fn: feed_graph.ModelFn | None = None,
+        *,
+        place: ClusterPlace | None = None,
     ) -> None:
         device = training_device(options.device)
-        super().__init__(options, observers, configure_server, device=device)
+        super().__init__(options, observers, configure_server, device=device, place=place)
         # What a step does with the staged batch: given, or ``options.model`` (resolved at start).
         self.model_fn = model_fn
         self.consumed = 0  # dequeues issued: primed puts + steps
@@ -82,14 +85,19 @@ class Trainer(TrainerBase):
             self.session.run(v1.global_variables_initializer())
         if options.save_dir is not None:
             model = saver_format(self.session, options.save_dir)
-            self.checkpoints = Checkpoints(options, model)  # restores what it resumes from
-            self.resume_books(self.checkpoints)
+            resumed = resume_point(options, model, self.place.chief)  # restored into the model
+            books = self.resume_books(resumed)
+            self.checkpoints = Checkpoints(
+                options, model, self.place.chief, resumed=resumed, position=books.position,
+                on_saved=books.saved,
+            )  # fmt: skip
         self._intake = Intake(
             options,
             self.schema,
             self.feed.enqueuer(self.session),
             self.ledger,
             self._configure_server,
+            place=self.place,
         ).start()
         self.endpoint = self._intake.endpoint
         return self

@@ -26,12 +26,13 @@ from typing import Any
 
 import zmq
 
-from stagefeed.common import protocol, tf_config
+from stagefeed.common import protocol
 from stagefeed.common.curve import key_fingerprint
 from stagefeed.common.errors import DropReason, ProtocolError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import MAX_SEQ
 from stagefeed.common.schema import Schema, schema_difference
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.common.throttle import LogThrottle
 from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.claims import Shards
@@ -58,6 +59,7 @@ class Dispatch:
         handoff: Handoff,
         credit_pool: int,
         shm: ShmGate | None,
+        place: ClusterPlace,
         enqueued: Callable[[], int] = lambda: 0,
     ) -> None:
         self.options = options
@@ -76,11 +78,10 @@ class Dispatch:
         self._delivered_and_ended = False  # a producer that delivered said end (see below)
         self._data_ended = threading.Event()
         # A cluster worker sees only its own shards, and a pass ends when every shard ended it.
-        config = tf_config.from_environ()
         no_passes = (
             f"a source with passes feeds one trainer; this one is a worker of a cluster of "
-            f"{config.num_workers} (TF_CONFIG): give the source no passes (docs/resume.md)"
-            if config is not None and config.num_workers > 1 else ""
+            f"{place.count} (TF_CONFIG): give the source no passes (docs/resume.md)"
+            if place.in_cluster else ""
         )  # fmt: skip
         resumed = ledger.shards.resumed if ledger.shards is not None else None
         self.passes = PassBooks(options.epochs, resumed)

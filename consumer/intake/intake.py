@@ -44,6 +44,7 @@ from stagefeed.common.ipc_file import IpcFile
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import MIB, TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, Schema
+from stagefeed.common.tf_config import NO_CLUSTER, ClusterPlace
 from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.availability import Availability
 from stagefeed.consumer.intake.dispatch import Dispatch, Handoff
@@ -68,6 +69,8 @@ Enqueue = Callable[[dict[str, Any], int, int], bool]
 class Intake:
     """Lifecycle: ``start()`` (bind, start threads) -> ``check()`` from the train loop ->
     ``close()`` (idempotent; call after the FIFOQueue was closed, so no enqueue blocks).
+    ``place``: the trainer's in a ``TF_CONFIG`` cluster, resolved where it was made (a
+    cluster worker's intake refuses a source with passes); default no cluster.
     """
 
     def __init__(
@@ -77,8 +80,11 @@ class Intake:
         enqueue: Enqueue,
         ledger: Ledger,
         configure_server: Callable[[zmq.Socket], None] | None = None,
+        *,
+        place: ClusterPlace = NO_CLUSTER,
     ) -> None:
         self.options = options
+        self.place = place  # the trainer's, in a TF_CONFIG cluster: its rules (Dispatch)
         self.schema = schema
         self._enqueue = enqueue
         self._ledger = ledger
@@ -105,7 +111,7 @@ class Intake:
             self.shm = ShmGate.open(self.options, self.schema, self._ledger)
         self._dispatch = Dispatch(
             self.options, self.schema, self._ledger, self._handoff, self.credit_pool, self.shm,
-            lambda: self.availability.enqueued,
+            self.place, lambda: self.availability.enqueued,
         )
         self._ctx = zmq.Context(io_threads=min(4, self.options.recv_threads))
         router = self._ctx.socket(zmq.ROUTER)

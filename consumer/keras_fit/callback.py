@@ -6,9 +6,10 @@ Keras passes), and adds the feed's figures to the batch and epoch logs, hence to
 and the progress bar. It defines ``on_train_batch_end``, so Keras never dispatches it
 asynchronously: booking happens on the training thread, right after the step.
 
-At the end of an epoch, a feed that is closed and drained sets ``model.stop_training``: a
-finite source or a shutdown ends ``fit`` after the epoch in which the data ran out, instead of
-running the remaining epochs on an ended dataset.
+At the end of an epoch, a feed that is closed and drained stops ``fit``: a finite source or a
+shutdown ends ``fit`` after the epoch in which the data ran out, instead of running the
+remaining epochs on an ended dataset. ``model.stop_training`` is written only through a
+``FitStops`` (``consumer.keras_fit.fit_stops``: its own, or the trainer's when given).
 
 At the start of ``fit`` it checks the model against the feed's dataset (``Feed.check_model``:
 compiled with a loss, the loss fits the labels' declared values, one step traced on the
@@ -18,10 +19,10 @@ step.
 
 Epochs that are passes (a ``ServedFeed`` of a source with passes, ``fit`` given no
 ``steps_per_epoch``: ``Feed.fit_begins``): the step that trains the last batch of every
-shard's pass ends ``fit``'s epoch (``stop_training``), and the epoch's end lets ``fit`` go on
-to the next (its validation and callbacks ran in between); the dataset's iterator took nothing
-of the next pass (``consumer.tf2.pass_gate``). Put this callback first: a later one that stops
-``fit`` at that epoch's end is then not undone.
+shard's pass ends ``fit``'s epoch (``FitStops.cut_epoch``), and the epoch's end lets ``fit``
+go on to the next (its validation and callbacks ran in between); the dataset's iterator took
+nothing of the next pass (``consumer.tf2.pass_gate``). Its place among ``fit``'s callbacks does
+not matter: going on never undoes a stop, nor a flag another callback set.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 import keras
 
 from stagefeed.common.schema import ArraySpec
+from stagefeed.consumer.keras_fit.fit_stops import FitStops
 
 if TYPE_CHECKING:
     from stagefeed.consumer.tf2.feed import Feed
@@ -57,11 +59,19 @@ class FeedCallback(keras.callbacks.Callback):
     """Books trained batches per step and reports ``{prefix}trained``, ``{prefix}abandoned``,
     ``{prefix}queue_fill`` (queue fraction at the step's end) and ``{prefix}input_wait``
     (share of the run's wall time the trained batches' dequeues blocked on an empty queue).
+    ``stops``: the owner of ``model.stop_training`` it shares with a trainer (None: its own).
     """
 
-    def __init__(self, feed: Feed, prefix: str = "stagefeed_", check_model: bool = True) -> None:
+    def __init__(
+        self,
+        feed: Feed,
+        prefix: str = "stagefeed_",
+        check_model: bool = True,
+        stops: FitStops | None = None,
+    ) -> None:
         super().__init__()
         self.feed = feed
+        self.stops = FitStops() if stops is None else stops
         self.prefix = prefix
         self.check_model = check_model  # False: the caller checked it (the CLI's trainer)
         self._first_step = 0
@@ -72,6 +82,7 @@ class FeedCallback(keras.callbacks.Callback):
         self._cut = False  # the step just trained ended a pass: the epoch ends
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        self.stops.bind(self.model)  # after fit cleared the flag: a stop asked before holds
         if self.check_model:  # before any batch: one ConfigError line, not TF's at step 1
             self.feed.check_model(self.model)
         self.feed.books.begin()
@@ -89,7 +100,7 @@ class FeedCallback(keras.callbacks.Callback):
             logs.update(self.step_figures.logs(self.prefix))
         if self._passes and self.feed.passes_ended(self.step_figures.trained):
             self._cut = True
-            self.model.stop_training = True
+            self.stops.cut_epoch("every shard's pass is trained")
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         figures = self.feed.books.figures()
@@ -97,10 +108,10 @@ class FeedCallback(keras.callbacks.Callback):
             logs.update(figures.logs(self.prefix))
         if self._cut:  # the epoch was the pass: fit goes on to the next one
             self._cut = False
-            self.model.stop_training = False
+            self.stops.go_on()
         if self.feed.queue.closed and figures.queued == 0:
             log.info("feed closed and drained after epoch %d: stopping fit", epoch + 1)
-            self.model.stop_training = True
+            self.stops.stop("the feed closed and drained")
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.feed.books.end()

@@ -20,13 +20,13 @@ import logging
 import os
 import warnings
 import zipfile
-from collections.abc import Callable
 
 import keras
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer.checkpoints import ModelFormat
+from stagefeed.consumer.keras_fit.fit_stops import FitStops
 
 log = logging.getLogger(__name__)
 
@@ -120,47 +120,47 @@ PASS_EPOCH_STEPS = 2**40
 class PassCut(keras.callbacks.Callback):
     """Epochs that are passes (docs/resume.md, "Passes"): ``fit``'s epoch ends at the step that
     trains the last batch of every shard's pass (``cut()``, from the trainer's pass books),
-    then ``fit`` goes on to the next (``go_on``, at that epoch's end, unless the run is
-    stopping). Put it first, as ``EpochCut``."""
+    then ``fit`` goes on to the next at that epoch's end, unless the run is stopping
+    (``FitStops``: its place among the callbacks does not matter)."""
 
-    def __init__(self, go_on: Callable[[], None]) -> None:
+    def __init__(self, stops: FitStops) -> None:
         super().__init__()
-        self.go_on = go_on
+        self.stops = stops
         self._cut = False
 
     def cut(self) -> None:
         """(the step's callbacks) the step just trained ended a pass: end the epoch."""
         self._cut = True
-        self.model.stop_training = True
+        self.stops.cut_epoch("every shard's pass is trained")
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._cut:
             self._cut = False
             log.info("fit's epoch %d ended at its pass boundary", epoch + 1)
-            self.go_on()
+            self.stops.go_on()
 
 
 class EpochCut(keras.callbacks.Callback):
-    """Ends ``fit``'s first epoch after ``steps`` steps (``stop_training`` at that step's end),
-    then lets ``fit`` go on to the next epoch (``go_on``, at that epoch's end: it clears the
-    flag unless the run is stopping). Put it first: a later ``on_epoch_end`` (the feed's
-    end of data) may still stop ``fit``."""
+    """Ends ``fit``'s first epoch after ``steps`` steps, then lets ``fit`` go on to the next
+    epoch at that epoch's end, unless the run is stopping (``FitStops``: a later
+    ``on_epoch_end`` that stops ``fit``, the feed's end of data, is never undone, whatever the
+    callbacks' order)."""
 
-    def __init__(self, steps: int, go_on: Callable[[], None]) -> None:
+    def __init__(self, steps: int, stops: FitStops) -> None:
         super().__init__()
         self.steps = steps
-        self.go_on = go_on
+        self.stops = stops
         self._armed = steps > 0
         self._cut = False
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self._armed and batch + 1 >= self.steps:
             self._armed, self._cut = False, True
-            self.model.stop_training = True
+            self.stops.cut_epoch(f"the {self.steps} steps left of a resumed epoch are trained")
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._cut:
             self._cut = False
             log.info("epoch %d: the %d steps it had left after the checkpoint are done",
                      epoch + 1, self.steps)  # fmt: skip
-            self.go_on()
+            self.stops.go_on()

@@ -20,7 +20,8 @@ During ``fit``, callbacks on the training thread book each step (``FeedCallback`
 into a ``StepRecord`` for the observers and the loss policy, and write checkpoints. A named
 watcher thread, ``stagefeed-fit-watch``, does what a callback cannot while ``fit`` waits for
 a batch: it acts on the run's ``RunEnd`` verdict (``consumer.run_end``, the graph trainer's
-too). On a stop it sets ``model.stop_training`` and closes the queue (the waiting dequeue
+too). On a stop it stops ``fit`` (``FitStops``, the one writer of ``model.stop_training``,
+with the stop's reason) and closes the queue (the waiting dequeue
 returns, the dataset ends); on a failure it fails the run the same way and ``train`` raises
 it; on a drain it closes the queue so the queued tail is trained and ``fit`` ends. While the
 queue stays empty it says so every ``wait_log_s`` (``consumer.wait_line``). It is joined with
@@ -47,10 +48,12 @@ import numpy as np
 from stagefeed.common.errors import ConfigError, NonFiniteLoss
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
-from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat
+from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, resume_point
 from stagefeed.consumer.devices import training_device
 from stagefeed.consumer.keras_fit.callback import FeedCallback
+from stagefeed.consumer.keras_fit.fit_stops import FitStops
 from stagefeed.consumer.keras_fit.model_check import check_model, check_step
 from stagefeed.consumer.keras_fit.resume_fit import (
     PASS_EPOCH_STEPS,
@@ -82,10 +85,13 @@ class KerasTrainer(TrainerBase):
         observers: Sequence[StepObserver] = (),
         configure_server: Callable[[Any], None] | None = None,
         build: Callable[[Any], Any] | None = None,
+        *,
+        place: ClusterPlace | None = None,
     ) -> None:
         super().__init__(
-            options, observers, configure_server, device=training_device(options.device)
-        )
+            options, observers, configure_server, device=training_device(options.device),
+            place=place,
+        )  # fmt: skip
         self.build = build
         self.model: keras.Model | None = None
         self.feed: ServedFeed | None = None
@@ -96,14 +102,11 @@ class KerasTrainer(TrainerBase):
         self._closed = False
         # The step this run goes on from: 0, or a resumed run's checkpoint's (docs/resume.md).
         self.step_base = 0
-        self._stop_lock = threading.Lock()
-        self._stopping = False  # stop_fit was called: nothing lets fit go on
+        self.stops = FitStops()  # the one writer of model.stop_training (fit_stops)
         self._pass_cut: PassCut | None = None  # during a fit whose epochs are passes
 
     def start(self) -> KerasTrainer:
-        from stagefeed.consumer.cluster.strategy import in_cluster  # no TensorFlow op
-
-        if in_cluster():
+        if self.place.in_cluster:
             raise ConfigError(
                 "TF_CONFIG names a cluster and Keras 3's fit cannot train under "
                 "MultiWorkerMirroredStrategy (keras-team/keras#20585): use "
@@ -133,11 +136,12 @@ class KerasTrainer(TrainerBase):
                 model = model_ref.building(ref, build, self.schema)
         plan = check_model(ref, model, self.schema, options.targets)
         self.model = model
+        self.stops.bind(model)
         if options.save_dir is not None:
-            self.checkpoints = Checkpoints(options, self.model_format(model))  # restores
-            self.book_positions(self.checkpoints)
+            self.checkpoints = self.book_positions(self.model_format(model))
         check_step(ref, model, plan, strategy)  # after the restore: the state fit would build
-        self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False)
+        self.feed = ServedFeed(options, self._configure_server, self.ledger, end_watch=False,
+                               place=self.place)  # fmt: skip
         self._intake = self.feed.intake
         self.endpoint = self.feed.endpoint
         self._dataset = self.feed.dataset(
@@ -149,14 +153,19 @@ class KerasTrainer(TrainerBase):
         """How ``Checkpoints`` saves and restores ``model`` (a ``.keras`` file)."""
         return keras_format(model)
 
-    def book_positions(self, checkpoints: Checkpoints) -> None:
-        """With ``--save``: book the input position per shard (restored from the checkpoint
-        resumed, whose model ``checkpoints`` restored), before the feed binds; the step
-        counter and ``optimizer.iterations`` go on from the checkpoint's step."""
+    def book_positions(self, model_format: ModelFormat) -> Checkpoints:
+        """With ``--save``: the checkpoint resumed restored into the model, the input position
+        booked per shard from it, before the feed binds; the step counter and
+        ``optimizer.iterations`` go on from its step. The run's ``Checkpoints``."""
         assert self.model is not None
-        self.step_base = self.resume_books(checkpoints)
-        if checkpoints.resumed is not None:
+        options, chief = self.options, self.place.chief
+        resumed = resume_point(options, model_format, chief)
+        books = self.resume_books(resumed)
+        self.step_base = resumed.step if resumed is not None else 0
+        if resumed is not None:
             restore_iterations(self.model, self.step_base)
+        return Checkpoints(options, model_format, chief, resumed=resumed,
+                           position=books.position, on_saved=books.saved)  # fmt: skip
 
     @property
     def queue_batches(self) -> int:
@@ -185,14 +194,15 @@ class KerasTrainer(TrainerBase):
         assert self.feed is not None and self.model is not None
         iterations_before = int(self.model.optimizer.iterations)
         watch = _Watch(self, stop, health_check).start()
-        books = self.feed.callback(check_model=False)  # checked at start (check_model)
+        # The model was checked at start (check_model); every stop goes through self.stops.
+        books = FeedCallback(self.feed, check_model=False, stops=self.stops)
         callbacks: list[keras.callbacks.Callback] = [books, _Steps(self, books)]
-        if plan.first_epoch_steps:  # first: the feed's end of data may still stop fit
-            callbacks.insert(0, EpochCut(plan.first_epoch_steps, self._go_on))
+        if plan.first_epoch_steps:
+            callbacks.append(EpochCut(plan.first_epoch_steps, self.stops))
         self._pass_cut = None
         if plan.steps_per_epoch == PASS_EPOCH_STEPS:  # epochs that are passes
-            self._pass_cut = PassCut(self._go_on)
-            callbacks.insert(0, self._pass_cut)
+            self._pass_cut = PassCut(self.stops)
+            callbacks.append(self._pass_cut)
         try:
             with warnings.catch_warnings():  # the data ending inside an epoch is expected
                 warnings.filterwarnings("ignore", message=".*ran out of data")
@@ -226,26 +236,12 @@ class KerasTrainer(TrainerBase):
         if self._failure is not None:
             raise self._failure
 
-    def stop_fit(self) -> None:
-        """``fit`` stops after the current step, and nothing lets it go on (any thread)."""
-        assert self.model is not None
-        with self._stop_lock:
-            self._stopping = True
-            self.model.stop_training = True
-
-    def _go_on(self) -> None:
-        """(``EpochCut``) ``fit`` goes on to its next epoch, unless the run is stopping."""
-        assert self.model is not None
-        with self._stop_lock:
-            if not self._stopping:
-                self.model.stop_training = False
-
     def fail(self, failure: BaseException) -> None:
         """Stop ``fit`` after the current step; ``train`` raises ``failure`` once it returned."""
         if self._failure is None:
             self._failure = failure
         assert self.model is not None and self.feed is not None
-        self.stop_fit()
+        self.stops.stop(f"the run failed: {type(failure).__name__}")
         self.feed.queue.close()
 
     def after_step(self, record: StepRecord, in_queue: int) -> None:
@@ -259,8 +255,10 @@ class KerasTrainer(TrainerBase):
         self.epoch_ended(record.step)
         if self.passes_ended(record.step - self.step_base) and self._pass_cut is not None:
             self._pass_cut.cut()  # fit's epoch is the pass: every shard's, nothing of the next
-        if 0 < self.steps_planned <= record.step or self.passes_done():
-            self.stop_fit()  # the planned steps or passes are trained: nothing lets fit go on
+        if 0 < self.steps_planned <= record.step:
+            self.stops.stop(f"the planned {self.steps_planned} steps are trained")
+        elif self.passes_done():
+            self.stops.stop(f"the planned {self.options.epochs} passes are trained")
         if self.checkpoints is not None:
             self.checkpoints.after_step(record.step)
 
@@ -369,7 +367,7 @@ class _Watch:
             assert verdict.failure is not None
             trainer.fail(verdict.failure)
         elif verdict.ending is Ending.STOP:
-            trainer.stop_fit()
+            trainer.stops.stop(verdict.reason or "the run was stopped")
             trainer.feed.queue.close()
         elif verdict.ending is Ending.DRAIN:
             trainer.feed.queue.close()  # the queued tail is trained, then fit ends

@@ -1,7 +1,9 @@
 """The end-of-run summary: as a dict (for ``--json``) and as text.
 
-The step figures (percentiles, examples/s, received MiB/s, stall) and the advice are the
-monitor's ``FinalFigures``, taken as they are: nothing here computes them again.
+What the run did is its trainer's ``RunReport`` (``consumer.run_report``), built once
+at its end: the summary reads that, never a trainer. The step figures (percentiles,
+examples/s, received MiB/s, stall) and the advice are the monitor's ``FinalFigures``, taken
+as they are: nothing here computes them again.
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ from stagefeed.common.options import MIB
 from stagefeed.consumer.memory import heap
 from stagefeed.consumer.observe.progress import size_text
 
-if TYPE_CHECKING:  # types only: a Keras run must not import graph mode (or TensorFlow's
-    # private StagingArea) to print its summary
+if TYPE_CHECKING:
     from stagefeed.consumer.observe.monitor import FinalFigures
-    from stagefeed.consumer.trainer_base import TrainerBase
+    from stagefeed.consumer.run_report import RunReport
 
 
 def summarize(
-    trainer: TrainerBase,
+    report: RunReport,
     final: FinalFigures | None,
     wall_s: float,
     interrupted: bool,
@@ -33,17 +34,17 @@ def summarize(
     """Every figure of a run; ``final`` is None when the monitor never started (no step
     figures then, and no advice). ``transport_choice``: ``run``'s ``--transport`` as asked,
     chosen and why (``stagefeed.loopback``); None for ``train``."""
-    options, spec = trainer.options, trainer.schema
-    totals = trainer.ledger.totals()
-    base = trainer.resumed_from or 0
+    options, spec = report.options, report.options.schema
+    totals = report.totals
+    base = report.resumed_from or 0
     nan = math.nan
     window = final.window if final is not None else None
     summary: dict[str, Any] = {
-        "device": trainer.device,
-        "endpoint": trainer.endpoint,
-        "transport": trainer.transport,
+        "device": report.device,
+        "endpoint": report.endpoint,
+        "transport": report.transport,
         "transport_choice": transport_choice,
-        "shm": trainer.shm_stats(),
+        "shm": None if report.shm is None else dict(report.shm),
         "batch_size": spec.batch_size,
         "schema": spec.describe(),
         "wire_dtype": spec.wire_dtype,
@@ -52,9 +53,9 @@ def summarize(
         "queue_capacity": options.queue_capacity,
         "stage_depth": options.stage_depth,
         # This run's steps (a resumed run's step numbers go on from its checkpoint's).
-        "warmup_steps": max(0, min(trainer.steps_done, options.warmup_steps) - base),
-        "steps": max(0, trainer.steps_done - max(options.warmup_steps, base)),
-        "resumed_from": trainer.resumed_from,
+        "warmup_steps": max(0, min(report.steps_done, options.warmup_steps) - base),
+        "steps": max(0, report.steps_done - max(options.warmup_steps, base)),
+        "resumed_from": report.resumed_from,
         "interrupted": interrupted,
         "median_ms": _round(final.median_ms if final else nan),
         "p10_ms": _round(final.p10_ms if final else nan),
@@ -63,10 +64,10 @@ def summarize(
         # six digits: a small batch's rate (KiB/s) must not round to nothing
         "received_mb_per_s": _round(final.received_mb_per_s if final else nan, 6),
         "stall_pct": _round(window.stall_pct if window else nan),
-        "loss_first": _round(_or_nan(trainer.loss_first), 4),
-        "loss_last": _round(_or_nan(trainer.loss_last), 4),
-        "loss_finite": trainer.loss_finite if trainer.loss_last is not None else False,
-        "metrics": {name: _round(value, 4) for name, value in trainer.metrics_last.items()},
+        "loss_first": _round(_or_nan(report.loss_first), 4),
+        "loss_last": _round(_or_nan(report.loss_last), 4),
+        "loss_finite": report.loss_finite if report.loss_last is not None else False,
+        "metrics": {name: _round(value, 4) for name, value in report.metrics.items()},
         "wall_s": round(wall_s, 3),
         "batches": {
             "received": totals.received,
@@ -77,22 +78,22 @@ def summarize(
             "dropped": totals.dropped,
             "seq_missing": totals.seq_missing,
         },
-        "dropped_by_reason": trainer.ledger.drops_by_reason(),
-        "refused_producers": trainer.ledger.refusals(),
-        "producers_ended": trainer.ledger.read().ended,
-        "producers_left": trainer.ledger.left(),
-        "data_ended": trainer.data_ended,
-        "run_length": run_length(trainer, interrupted),
-        "connections": trainer.ledger.peer_events(),
-        "producers": trainer.ledger.summary(),
-        "memory": _memory(trainer),
+        "dropped_by_reason": dict(report.drops_by_reason),
+        "refused_producers": {name: dict(why) for name, why in report.refusals.items()},
+        "producers_ended": dict(report.producers_ended),
+        "producers_left": [dict(left) for left in report.producers_left],
+        "data_ended": report.data_ended,
+        "run_length": run_length(report, interrupted),
+        "connections": dict(report.connections),
+        "producers": {name: dict(figures) for name, figures in report.producers.items()},
+        "memory": _memory(report),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    cluster = getattr(trainer, "cluster", None)
+    cluster = report.cluster
     if cluster is not None:  # one worker of a MultiWorkerMirroredStrategy cluster
         summary["cluster"] = {
-            "worker": cluster.index, "workers": cluster.count, "chief": cluster.chief,
-            "books": getattr(trainer, "cluster_totals", None),
+            "worker": cluster.worker, "workers": cluster.workers, "chief": cluster.chief,
+            "books": None if cluster.books is None else dict(cluster.books),
         }  # fmt: skip
     if final is not None:
         summary["advice"] = final.advice.text
@@ -100,20 +101,20 @@ def summarize(
     return summary
 
 
-def run_length(trainer: TrainerBase, interrupted: bool) -> dict[str, Any]:
+def run_length(report: RunReport, interrupted: bool) -> dict[str, Any]:
     """Planned against done. Epochs are of ``--steps-per-epoch`` steps, or the passes of a
     source with passes. ``complete``: every planned step and every planned pass trained (None
     for a run with no planned length, ``--steps 0`` without passes); ``short_because``: why a
     run that was not interrupted ended before its plan (its data or its producers ended, or
     ``--steps`` before its passes), else None."""
-    options = trainer.options
-    planned, done = trainer.steps_planned, trainer.steps_done
-    per_epoch, passes = options.steps_per_epoch, trainer.passes_trained()
+    options = report.options
+    planned, done = report.steps_planned, report.steps_done
+    per_epoch, passes = options.steps_per_epoch, report.passes_trained
     checks = ([done >= planned] if planned else []) + (
         [passes >= options.epochs] if passes is not None else []
     )
     complete = all(checks) if checks else None
-    why = trainer.drained_because
+    why = report.drained_because
     if why is None and passes is not None and passes < options.epochs and planned <= done:
         why = f"its {planned} planned steps ended it in pass {passes + 1} (--steps)"
     short = complete is False and not interrupted
@@ -183,15 +184,15 @@ def _run_length_line(s: dict[str, Any]) -> str | None:
     )
 
 
-def _memory(trainer: TrainerBase) -> dict[str, Any]:
+def _memory(report: RunReport) -> dict[str, Any]:
     """The process's peak RSS against the bound on batch bytes held, and what malloc holds in
     use and keeps freed (``consumer.memory.heap`` says how far the freed figure is resident)."""
     # Every producer the trainer saw counts, as if all were still connected.
-    producers = trainer.ledger.producer_count()
+    producers = report.producer_count
     held = heap.read()
     return {
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "held_bound_mb": round(trainer.options.held_bytes_bound(producers) / MIB, 1),
+        "held_bound_mb": round(report.options.held_bytes_bound(producers) / MIB, 1),
         "bound_producers": producers,
         "heap_in_use_mb": round(held.in_use / MIB, 1) if held else None,
         "heap_free_mb": round(held.free / MIB, 1) if held else None,

@@ -49,10 +49,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from stagefeed.common import tf_config
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition
+from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.books.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
@@ -78,7 +80,9 @@ class ServedFeed(Feed):
     ``to_dict()``, e.g. read back from JSON) to start from, which implies ``positions``.
     ``confirm_saves``: the loop calls ``saved(position)`` after each checkpoint it writes, and
     a producer that finished stays until a saved position holds its whole shard (else it
-    leaves once its ``end`` is delivered); implies ``positions``."""
+    leaves once its ``end`` is delivered); implies ``positions``. ``place``: where its trainer
+    stands in a ``TF_CONFIG`` cluster (``tf_config.ClusterPlace``; None: this process's
+    ``TF_CONFIG``)."""
 
     def __init__(
         self,
@@ -91,7 +95,11 @@ class ServedFeed(Feed):
         positions: bool = False,
         resume: InputPosition | Mapping[str, Any] | None = None,
         confirm_saves: bool = False,
+        place: ClusterPlace | None = None,
     ) -> None:
+        # Where this feed's trainer stands (a cluster worker's refuses a source with passes):
+        # given by the trainer that made it, or this process's TF_CONFIG, read once here.
+        self.place = tf_config.place() if place is None else place
         self.ledger = Ledger() if ledger is None else ledger
         if resume is not None or positions or confirm_saves:
             if self.ledger.shards is not None:
@@ -112,7 +120,8 @@ class ServedFeed(Feed):
         )
         if options.keep_freed_memory:
             malloc_policy.keep_freed_memory(options.schema.largest_array_bytes)
-        self.intake = Intake(options, options.schema, self.enqueue, self.ledger, configure_server)
+        self.intake = Intake(options, options.schema, self.enqueue, self.ledger, configure_server,
+                             place=self.place)  # fmt: skip
         try:
             self.intake.start()
         except BaseException:
