@@ -324,7 +324,7 @@ def test_a_busy_port_fails_at_start_naming_the_address() -> None:
 def test_bad_port_values_fail_at_start() -> None:
     proc = run_cli(["run", *TINY, "--metrics-port", "70000"], timeout=60)
     assert proc.returncode == 2
-    assert "metrics_port must be in [0, 65535], got 70000" in proc.stderr
+    assert "metrics_port must be an integer in [0, 65535], got 70000" in proc.stderr
     proc = run_cli(["train", *TINY], timeout=60, env=cli_env(STAGEFEED_METRICS_PORT="http"))
     assert proc.returncode == 2
     assert "STAGEFEED_METRICS_PORT='http'" in proc.stderr

@@ -131,6 +131,48 @@ def test_a_float_option_is_finite_or_refused_naming_it(option, value):
     assert math.isfinite(getattr(options, name))
 
 
+# ---- every count is an int, never a bool -----------------------------------------------------
+
+
+def _int_options() -> list[tuple[type, str]]:
+    """Every field of ``common.options``' option classes declared ``int`` (or ``int | None``)."""
+    module = importlib.import_module("stagefeed.common.options")
+    found = []
+    for cls in vars(module).values():
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__name__.endswith(
+            "Options"
+        ):
+            for field in dataclasses.fields(cls):
+                if field.init and "int" in str(field.type).replace(" ", "").split("|"):
+                    found.append((cls, field.name))
+    return found
+
+
+INT_OPTIONS = _int_options()
+
+
+def test_the_int_options_are_found():
+    names = {f"{cls.__name__}.{name}" for cls, name in INT_OPTIONS}
+    assert {
+        "ProducerOptions.workers", "ProducerOptions.max_batches", "ProducerOptions.seed",
+        "TrainerOptions.recv_threads", "TrainerOptions.stage_depth", "TrainerOptions.steps",
+        "TrainerOptions.credit_per_producer", "TrainerOptions.shm_producers",
+        "TrainerOptions.epochs", "ObserveOptions.metrics_port",
+    } <= names, names  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [True, False], ids=["True", "False"])
+@pytest.mark.parametrize(
+    ("cls", "name"), INT_OPTIONS, ids=[f"{c.__name__}.{n}" for c, n in INT_OPTIONS]
+)
+def test_every_int_option_refuses_a_bool_naming_the_field(cls, name, value):
+    """``True`` is an int to Python: ``TrainerOptions(recv_threads=True)`` once made a trainer
+    with one enqueue thread, ``ProducerOptions(workers=True)`` one worker."""
+    with pytest.raises(ConfigError) as info:
+        cls(**{name: value})
+    assert f"{name} must be an integer" in str(info.value), info.value
+
+
 # ---- the CLI: a bad value stops the command at start, before TensorFlow or any process --------
 
 _NO_TENSORFLOW = """\
