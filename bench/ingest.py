@@ -43,7 +43,7 @@ from stagefeed.common.errors import ClosedError
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema
-from stagefeed.consumer.books.ledger import Books
+from stagefeed.consumer.books.ledger import LedgerSnapshot
 from stagefeed.consumer.graph.trainer import Trainer
 from stagefeed.consumer.memory import malloc_policy
 from stagefeed.consumer.run_facts import StepRecord
@@ -111,9 +111,9 @@ class _Clock:
         self.start_at: float | None = None
         self.timed: list[StepRecord] = []
         self.pool: Producers | None = None
-        self.books: Callable[[], Books] | None = None  # the trainer's ledger reads
+        self.books: Callable[[], LedgerSnapshot] | None = None  # the trainer's ledger reads
         self.cpu_s: list[float | None] = []  # the feed path's, at the window's start and end
-        self.window_books: Books | None = None  # the ledger when the last timed step ended
+        self.window_books: LedgerSnapshot | None = None  # the ledger when the last timed step ended
 
     def on_step(self, record: StepRecord) -> None:
         assert self.books is not None, "set the clock's books before training"

@@ -1,9 +1,10 @@
 """The received rate in a cluster worker's summary (issue 28), through the real CLI: two
 ``stagefeed train`` workers of a TF_CONFIG cluster on loopback, each fed the whole of its
 shards by a producer that delivers every batch while the cluster's first step is still being
-traced. The summary's rate is over the time the batches were received (``Books.receiving_s``,
-``FinalFigures.received_mb_per_s``), not over the window after the first step, in which
-nothing came: that said ``received 0 B/s`` after every batch had been received and trained.
+traced. The summary's rate is over the time the batches were received
+(``LedgerSnapshot.receiving_s``, ``FinalFigures.received_mb_per_s``), not over the window after
+the first step, in which nothing came: that said ``received 0 B/s`` after every batch had
+been received and trained.
 """
 
 from __future__ import annotations
