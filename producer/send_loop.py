@@ -25,7 +25,7 @@ from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.common.position import skip_of
 from stagefeed.producer import shm_send
-from stagefeed.producer.fanout import Channel
+from stagefeed.producer.channel_contract import Channel
 from stagefeed.producer.handoff import Welcome
 from stagefeed.producer.sources import (
     BatchStream,
@@ -88,7 +88,7 @@ def send_all(
         if not ended or welcome.passes is None:
             return
         last = pass_ + 1 >= pass_count  # then ``end`` follows: nothing to wait for
-        channel.end_pass(outcome.next_seq, pass_, stop, wait=not last)  # type: ignore[union-attr]
+        channel.end_pass(outcome.next_seq, pass_, stop, wait=not last)  # type: ignore[attr-defined]
         if last:
             return
         if channel.repositioned is not None:

@@ -15,7 +15,7 @@ from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.producer.sources import BatchStream, SourceFailed
 
 if TYPE_CHECKING:
-    from stagefeed.producer.fanout import Channel
+    from stagefeed.producer.channel_contract import Channel
 
 SENT = "sent"  # batch ``seq`` was handed over
 LOST = "lost"  # its pool was retired while it was written (that trainer is gone): seq is free
