@@ -7,9 +7,12 @@ every number must be finite (``check_number``: NaN and infinity pass comparisons
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
+import warnings
+from typing import Any
 
 from stagefeed.common import endpoints
 from stagefeed.common.data_ref import DATA_KINDS, ON_BAD_RECORD, parse_data_ref
@@ -64,6 +67,8 @@ def _check_transport(value: str) -> None:
 
 
 MAX_STAGE_DEPTH = 16
+MAX_ENQUEUE_THREADS = 64
+RECV_THREADS_DEPRECATED = "TrainerOptions.recv_threads is deprecated: say enqueue_threads"
 
 
 def is_int(value: object) -> bool:
@@ -226,8 +231,8 @@ class TrainerOptions:
 
     Bytes held by the trainer are bounded by ``queue_mb`` (the FIFOQueue) plus
     ``stage_depth + 1`` batches (staged, and the one a step trains on), plus the credit pool,
-    ``recv_threads + 2`` batches (granted to producers and not yet enqueued: in ZeroMQ, in the
-    hand-off, in an enqueue thread's hands), plus ``recv_threads`` copies TensorFlow makes of
+    ``enqueue_threads + 2`` batches (granted to producers and not yet enqueued: in ZeroMQ, in the
+    hand-off, in an enqueue thread's hands), plus ``enqueue_threads`` copies TensorFlow makes of
     unaligned frames while an enqueue waits. A connection that ignores flow control can add
     its receive high-water mark (2 messages); ``max_message_mb`` caps each message.
 
@@ -235,11 +240,14 @@ class TrainerOptions:
     staged and in flight from same-host producers are views of their pools: each pool holds
     ``common.shm.sizing.pool_slots(queue_capacity, stage_depth, credit, producers)``
     slots (docs/shm.md "The transport as built").
+
+    ``recv_threads``, the old name of ``enqueue_threads``, is still taken as a keyword and read
+    as an attribute, with a ``DeprecationWarning``.
     """
 
     bind: str = "tcp://*:5555"
     schema: Schema = DEFAULT_SCHEMA
-    recv_threads: int = 2
+    enqueue_threads: int = 2  # threads moving received batches into the FIFOQueue
     steps: int = 100  # timed steps; 0 = until stopped
     warmup_steps: int = 2  # trained before the timed steps, not timed
     queue_mb: float = 2048.0
@@ -291,7 +299,7 @@ class TrainerOptions:
                 f"(a unix socket), got {self.shm_socket!r}"
             )
         check_positive_int("shm_producers", self.shm_producers, 256)
-        check_positive_int("recv_threads", self.recv_threads, 64)
+        check_positive_int("enqueue_threads", self.enqueue_threads, MAX_ENQUEUE_THREADS)
         check_non_negative_int("steps", self.steps)
         check_non_negative_int("warmup_steps", self.warmup_steps)
         check_number("queue_mb", self.queue_mb)
@@ -361,7 +369,7 @@ class TrainerOptions:
         """The class docstring's bound on batch bytes the trainer holds, with ``connections``
         producers connected (each may add its receive high-water mark of 2 messages)."""
         batch = self.schema.batch_bytes
-        in_flight = (self.stage_depth + 1) + (self.recv_threads + 2) + self.recv_threads
+        in_flight = (self.stage_depth + 1) + (self.enqueue_threads + 2) + self.enqueue_threads
         return (
             (self.queue_capacity + in_flight) * batch + 2 * connections * self.max_message_bytes
         )
@@ -371,6 +379,37 @@ class TrainerOptions:
         if self.max_message_mb:
             return int(self.max_message_mb * MIB)
         return self.schema.batch_bytes + MIB
+
+    @property
+    def recv_threads(self) -> int:
+        """Deprecated: ``enqueue_threads``."""
+        warnings.warn(RECV_THREADS_DEPRECATED, DeprecationWarning, stacklevel=2)
+        return self.enqueue_threads
+
+
+_UNSET: Any = object()
+
+
+def _take_recv_threads(init: Any) -> Any:
+    """``TrainerOptions(recv_threads=N)``, the old keyword: checked under its own name, then
+    taken as ``enqueue_threads`` with a ``DeprecationWarning``; both at once is refused."""
+
+    @functools.wraps(init)
+    def __init__(
+        self: TrainerOptions, *args: Any, recv_threads: Any = _UNSET, **kwargs: Any
+    ) -> None:
+        if recv_threads is not _UNSET:
+            warnings.warn(RECV_THREADS_DEPRECATED, DeprecationWarning, stacklevel=2)
+            check_positive_int("recv_threads", recv_threads, MAX_ENQUEUE_THREADS)
+            if "enqueue_threads" in kwargs or len(args) > 2:
+                raise ConfigError("give enqueue_threads, not recv_threads too (its old name)")
+            kwargs["enqueue_threads"] = recv_threads
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+TrainerOptions.__init__ = _take_recv_threads(TrainerOptions.__init__)  # type: ignore[method-assign]
 
 
 # What one producer-to-trainer link carries, MB/s, when nobody says (the advice's yardstick):

@@ -31,7 +31,7 @@ def test_a_worker_whose_batches_all_came_before_its_first_step_says_their_rate(
     workers = [
         start_cli(
             ["train", "--schema", SCHEMA, "--model", "tests.matrix.data:keras_counter",
-             "--bind", feeds[i], "--steps", "0", "--warmup-steps", "0", "--recv-threads", "1",
+             "--bind", feeds[i], "--steps", "0", "--warmup-steps", "0", "--enqueue-threads", "1",
              "--json", str(tmp_path / f"worker-{i}.json")],
             name=f"worker-{i}", env=cli_env(TF_CONFIG=cluster_config(i, tf_ports)),
         )  # fmt: skip
