@@ -66,7 +66,10 @@ def add_parser(subparsers: Any) -> None:
         "--rounds", type=int, default=0, help="interleaved blocks per mode [0: one per step]"
     )
     p.add_argument("--producers", type=int, default=2, help="stagefeed producers [2]")
-    p.add_argument("--recv-threads", type=int, default=2, help="stagefeed enqueue threads [2]")
+    p.add_argument(
+        "--enqueue-threads", "--recv-threads", type=int, default=2,
+        help="stagefeed enqueue threads [2] (--recv-threads: its old name)",
+    )  # fmt: skip
     p.add_argument(
         "--transport", default="tcp", choices=TRANSPORTS, help="both stagefeed modes' loopback"
     )
@@ -125,7 +128,7 @@ def _steps(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps,
         rounds=args.rounds,
         producers=args.producers,
-        recv_threads=args.recv_threads,
+        enqueue_threads=args.enqueue_threads,
         transport=args.transport,
         queue_mb=args.queue_mb,
         seed_prestage=args.seed_prestage,

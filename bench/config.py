@@ -118,7 +118,7 @@ class StepsConfig:
     warmup_steps: int = 2
     rounds: int = 0
     producers: int = 2
-    recv_threads: int = 2
+    enqueue_threads: int = 2
     transport: str = "tcp"
     queue_mb: float = 1024.0
     seed_prestage: int = 1
@@ -132,7 +132,7 @@ class StepsConfig:
         if self.rounds > self.steps:
             raise ConfigError(f"rounds={self.rounds} exceeds steps={self.steps}")
         _at_least("producers", self.producers, 1)
-        _at_least("recv_threads", self.recv_threads, 1)
+        _at_least("enqueue_threads", self.enqueue_threads, 1)
         _at_least("seed_prestage", self.seed_prestage, 0)
         _subset("transport", (self.transport,), TRANSPORTS)
         _subset("device", (self.device,), DEVICES)

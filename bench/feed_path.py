@@ -68,7 +68,7 @@ class Loopback:
         return TrainerOptions(
             bind=self.bind,
             schema=schema,
-            recv_threads=config.recv_threads,
+            enqueue_threads=config.enqueue_threads,
             queue_mb=config.queue_capacity * schema.batch_bytes / MIB,
             stage_depth=stage_depth,
             device="gpu" if is_gpu(device) else "cpu",

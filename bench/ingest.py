@@ -43,7 +43,7 @@ from stagefeed.common.errors import ClosedError
 from stagefeed.common.lifecycle import on_stop_signals
 from stagefeed.common.options import ProducerOptions, TrainerOptions
 from stagefeed.common.schema import Schema
-from stagefeed.consumer.books.ledger import Books
+from stagefeed.consumer.books.ledger import LedgerSnapshot
 from stagefeed.consumer.graph.trainer import Trainer
 from stagefeed.consumer.memory import malloc_policy
 from stagefeed.consumer.run_facts import StepRecord
@@ -111,9 +111,9 @@ class _Clock:
         self.start_at: float | None = None
         self.timed: list[StepRecord] = []
         self.pool: Producers | None = None
-        self.books: Callable[[], Books] | None = None  # the trainer's ledger reads
+        self.books: Callable[[], LedgerSnapshot] | None = None  # the trainer's ledger reads
         self.cpu_s: list[float | None] = []  # the feed path's, at the window's start and end
-        self.window_books: Books | None = None  # the ledger when the last timed step ended
+        self.window_books: LedgerSnapshot | None = None  # the ledger when the last timed step ended
 
     def on_step(self, record: StepRecord) -> None:
         assert self.books is not None, "set the clock's books before training"
@@ -145,7 +145,7 @@ def measure_stagefeed(
     """GB/s over ``count`` consumed batches, timed once the start-up buffers were drained.
 
     Warm-up drains what the queue, staging area and the intake's credit pool can hold, so the
-    timed steps wait on delivery alone. Enqueue threads (``recv_threads``) = producers.
+    timed steps wait on delivery alone. Enqueue threads (``enqueue_threads``) = producers.
     Trainer and producers both use ``delivery_schema(schema)``: ``schema``'s messages, and no
     cast before the trivial model. ``fill`` (shm only): ``copy`` the synthetic batch into each
     slot, or ``inplace`` (``bench.sources.labels_in_place``).
@@ -153,7 +153,7 @@ def measure_stagefeed(
     schema = delivery_schema(schema)
     capacity = max(2, producers)
     # Queue, staging, the batch a step holds, then 3 per producer: the count used since the
-    # receive pool (pipes + proxy), more than the intake's credit pool (recv_threads + 2).
+    # receive pool (pipes + proxy), more than the intake's credit pool (enqueue_threads + 2).
     buffered = capacity + STAGE_DEPTH + 1 + 3 * producers
     bind, ipc_path = endpoint_for(transport, "ingest")
     shared = transport == "shm"
@@ -163,7 +163,7 @@ def measure_stagefeed(
     options = TrainerOptions(
         bind=bind,
         schema=schema,
-        recv_threads=producers,
+        enqueue_threads=producers,
         steps=0,  # until the clock says done
         warmup_steps=0,  # the clock decides which steps are timed
         queue_mb=(capacity * schema.batch_bytes + 1) / 2**20,
@@ -300,7 +300,7 @@ def run_ingest(config: IngestConfig, log_level: int = logging.INFO) -> dict[str,
                 "transport": transport,
                 "fill": fill,
                 "producers": producers,
-                "recv_threads": producers,
+                "enqueue_threads": producers,
                 "batches_per_measurement": config.batches_for(dtype),
             }
             raw_first = index % 2 == 0

@@ -49,7 +49,7 @@ class KerasStagefeedMode(KerasMode):
         return dataset, {
             "endpoint": self.feed.endpoint,
             "producers": config.producers,
-            "recv_threads": config.recv_threads,
+            "enqueue_threads": config.enqueue_threads,
             "queue_capacity": options.queue_capacity,
             "stage_depth": STAGE_DEPTH,
         }

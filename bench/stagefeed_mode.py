@@ -69,7 +69,7 @@ class StagefeedMode:
         return {
             "endpoint": self.trainer.endpoint,
             "producers": config.producers,
-            "recv_threads": config.recv_threads,
+            "enqueue_threads": config.enqueue_threads,
             "queue_capacity": options.queue_capacity,
             "stage_depth": STAGE_DEPTH,
             "queue_full_at_start": settled["queue_full"],

@@ -83,8 +83,8 @@ def _family_table(report: dict[str, Any], family: str, modes: dict[str, Any]) ->
         if name in modes:
             i = modes[name]["info"]
             notes.append(
-                f"{name}: {i.get('producers')} producers, {i.get('recv_threads')} enqueue "
-                f"threads (--recv-threads), queue {i.get('queue_capacity')} batches, staging "
+                f"{name}: {i.get('producers')} producers, {i.get('enqueue_threads')} enqueue "
+                f"threads (--enqueue-threads), queue {i.get('queue_capacity')} batches, staging "
                 f"depth {i.get('stage_depth')}, {report['settings']['transport']}."
             )
     feed_cpu = [
@@ -131,7 +131,7 @@ def ingest_table(report: dict[str, Any]) -> str:
         f"bytes; {m['cpus']} CPUs ({m['cpu']}), load {m['load_avg_1m']} -> "
         f"{m.get('load_avg_1m_end', '?')}, {m['date']}",
         "",
-        "| dtype | MB/batch | transport | producers = recv threads | raw pyzmq GB/s (over) "
+        "| dtype | MB/batch | transport | producers = enqueue threads | raw pyzmq GB/s (over) "
         "| stagefeed GB/s | stagefeed / raw | memcpy GB/s (1 core) | stagefeed / memcpy "
         "| feed core-ms/batch: stagefeed, raw |",
         "|---|---|---|---|---|---|---|---|---|---|",

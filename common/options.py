@@ -7,9 +7,12 @@ every number must be finite (``check_number``: NaN and infinity pass comparisons
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
+import warnings
+from typing import Any
 
 from stagefeed.common import endpoints
 from stagefeed.common.data_ref import DATA_KINDS, ON_BAD_RECORD, parse_data_ref
@@ -64,36 +67,54 @@ def _check_transport(value: str) -> None:
 
 
 MAX_STAGE_DEPTH = 16
+MAX_ENQUEUE_THREADS = 64
+RECV_THREADS_DEPRECATED = "TrainerOptions.recv_threads is deprecated: say enqueue_threads"
+
+
+def is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool``: ``True`` is an int to Python, never a count here."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positive_int(field: str, value: object, most: int | None = None) -> None:
+    """``ConfigError`` naming ``field`` and ``value`` unless ``value`` is an int, not a bool,
+    at least 1 (and at most ``most``, when given)."""
+    _check_int(field, value, 1, most)
+
+
+def check_non_negative_int(field: str, value: object, most: int | None = None) -> None:
+    """``ConfigError`` naming ``field`` and ``value`` unless ``value`` is an int, not a bool,
+    at least 0 (and at most ``most``, when given)."""
+    _check_int(field, value, 0, most)
+
+
+def _check_int(field: str, value: object, least: int, most: int | None) -> None:
+    if is_int(value) and least <= value and (most is None or value <= most):  # type: ignore[operator]
+        return
+    bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+    raise ConfigError(f"{field} must be an integer {bound}, got {value!r:.40}")
 
 
 def check_stage_depth(stage_depth: object) -> None:
     """``ConfigError`` unless ``stage_depth`` is an int (not a bool) in [1, 16]: batches staged
     on the device ahead of the step, graph mode and the TF 2 feed alike."""
-    if (
-        isinstance(stage_depth, bool)
-        or not isinstance(stage_depth, int)
-        or not 1 <= stage_depth <= MAX_STAGE_DEPTH
-    ):
-        raise ConfigError(
-            f"stage_depth must be an integer in [1, {MAX_STAGE_DEPTH}], got {stage_depth!r:.40}"
-        )
+    check_positive_int("stage_depth", stage_depth, MAX_STAGE_DEPTH)
 
 
-def check_number(
-    field: str, value: float, *, zero_ok: bool = False, integer: bool = False
-) -> None:
+def check_number(field: str, value: float, *, zero_ok: bool = False) -> None:
     """``ConfigError`` naming ``field`` and ``value`` unless ``value`` is a finite number
-    (an integer, with ``integer``) above 0, or at 0 with ``zero_ok``. NaN and the infinities
-    are refused: a NaN passes every comparison check (``nan < 0`` is false)."""
-    types = int if integer else (int, float)
+    above 0, or at 0 with ``zero_ok``. NaN and the infinities are refused: a NaN passes every
+    comparison check (``nan < 0`` is false). Counts: ``check_positive_int``,
+    ``check_non_negative_int``."""
     ok = (
-        isinstance(value, types)
+        isinstance(value, (int, float))
         and not isinstance(value, bool)
         and not (isinstance(value, float) and not math.isfinite(value))
     )
     if not ok or value < 0 or (value == 0 and not zero_ok):
-        what = "an integer" if integer else "a finite number"
-        raise ConfigError(f"{field} must be {what} {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+        raise ConfigError(
+            f"{field} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}"
+        )
 
 
 def _check_shard_group(value: object, workers: int) -> None:
@@ -159,15 +180,14 @@ class ProducerOptions:
         object.__setattr__(self, "connect", check_endpoints("connect", self.connect))
         check_number("heartbeat_timeout_s", self.heartbeat_timeout_s, zero_ok=True)
         _check_transport(self.transport)
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
+        check_positive_int("workers", self.workers)
         _check_shard_group(self.shard_group, self.workers)
         if self.schema is not None and not isinstance(self.schema, Schema):
             raise ConfigError(f"schema must be a Schema or None, got {type(self.schema).__name__}")
         check_number("inflight_mb", self.inflight_mb)
         check_number("rate", self.rate, zero_ok=True)
-        check_number("max_batches", self.max_batches, zero_ok=True, integer=True)
-        check_number("seed", self.seed, zero_ok=True, integer=True)
+        check_non_negative_int("max_batches", self.max_batches)
+        check_non_negative_int("seed", self.seed)
         data = parse_data_ref(self.source) if isinstance(self.source, str) else None
         if data is None and self.source != "synthetic" and not re.fullmatch(
             r"[\w.]+:\w+", self.source
@@ -210,8 +230,8 @@ class TrainerOptions:
 
     Bytes held by the trainer are bounded by ``queue_mb`` (the FIFOQueue) plus
     ``stage_depth + 1`` batches (staged, and the one a step trains on), plus the credit pool,
-    ``recv_threads + 2`` batches (granted to producers and not yet enqueued: in ZeroMQ, in the
-    hand-off, in an enqueue thread's hands), plus ``recv_threads`` copies TensorFlow makes of
+    ``enqueue_threads + 2`` batches (granted to producers and not yet enqueued: in ZeroMQ, in the
+    hand-off, in an enqueue thread's hands), plus ``enqueue_threads`` copies TensorFlow makes of
     unaligned frames while an enqueue waits. A connection that ignores flow control can add
     its receive high-water mark (2 messages); ``max_message_mb`` caps each message.
 
@@ -219,11 +239,14 @@ class TrainerOptions:
     staged and in flight from same-host producers are views of their pools: each pool holds
     ``common.shm.sizing.pool_slots(queue_capacity, stage_depth, credit, producers)``
     slots (docs/shm.md "The transport as built").
+
+    ``recv_threads``, the old name of ``enqueue_threads``, is still taken as a keyword and read
+    as an attribute, with a ``DeprecationWarning``.
     """
 
     bind: str = "tcp://*:5555"
     schema: Schema = DEFAULT_SCHEMA
-    recv_threads: int = 2
+    enqueue_threads: int = 2  # threads moving received batches into the FIFOQueue
     steps: int = 100  # timed steps; 0 = until stopped
     warmup_steps: int = 2  # trained before the timed steps, not timed
     queue_mb: float = 2048.0
@@ -274,15 +297,10 @@ class TrainerOptions:
                 f"shm_socket must be an absolute path of at most {UNIX_PATH_MAX} bytes "
                 f"(a unix socket), got {self.shm_socket!r}"
             )
-        producers = self.shm_producers
-        if type(producers) is not int or not 1 <= producers <= 256:
-            raise ConfigError(f"shm_producers must be an integer in [1, 256], got {producers!r}")
-        if not isinstance(self.recv_threads, int) or not 1 <= self.recv_threads <= 64:
-            raise ConfigError(
-                f"recv_threads must be an integer in [1, 64], got {self.recv_threads!r}"
-            )
-        check_number("steps", self.steps, zero_ok=True, integer=True)
-        check_number("warmup_steps", self.warmup_steps, zero_ok=True, integer=True)
+        check_positive_int("shm_producers", self.shm_producers, 256)
+        check_positive_int("enqueue_threads", self.enqueue_threads, MAX_ENQUEUE_THREADS)
+        check_non_negative_int("steps", self.steps)
+        check_non_negative_int("warmup_steps", self.warmup_steps)
         check_number("queue_mb", self.queue_mb)
         check_number("max_message_mb", self.max_message_mb, zero_ok=True)
         check_number("wait_log_s", self.wait_log_s)
@@ -291,12 +309,7 @@ class TrainerOptions:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not isinstance(self.schema, Schema):
             raise ConfigError(f"schema must be a Schema, got {type(self.schema).__name__}")
-        credit = self.credit_per_producer
-        if not isinstance(credit, int) or isinstance(credit, bool) or not 1 <= credit <= 64:
-            raise ConfigError(
-                f"credit_per_producer must be an integer in [1, 64], "
-                f"got {self.credit_per_producer!r}"
-            )
+        check_positive_int("credit_per_producer", self.credit_per_producer, 64)
         check_number("producer_timeout_s", self.producer_timeout_s)
         check_number("cluster_join_s", self.cluster_join_s)
         if not isinstance(self.model, str) or not (
@@ -330,11 +343,9 @@ class TrainerOptions:
             )
 
     def _check_run_length(self) -> None:
-        for name in ("epochs", "steps_per_epoch", "checkpoint_every"):
-            value = getattr(self, name)
-            if type(value) is not int or value < (1 if name == "epochs" else 0):
-                bound = ">= 1" if name == "epochs" else ">= 0"
-                raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
+        check_positive_int("epochs", self.epochs)
+        check_non_negative_int("steps_per_epoch", self.steps_per_epoch)
+        check_non_negative_int("checkpoint_every", self.checkpoint_every)
         if self.checkpoint_every and self.save_dir is None:
             raise ConfigError(
                 f"checkpoint_every={self.checkpoint_every} needs save_dir: checkpoints go to "
@@ -357,7 +368,7 @@ class TrainerOptions:
         """The class docstring's bound on batch bytes the trainer holds, with ``connections``
         producers connected (each may add its receive high-water mark of 2 messages)."""
         batch = self.schema.batch_bytes
-        in_flight = (self.stage_depth + 1) + (self.recv_threads + 2) + self.recv_threads
+        in_flight = (self.stage_depth + 1) + (self.enqueue_threads + 2) + self.enqueue_threads
         return (
             (self.queue_capacity + in_flight) * batch + 2 * connections * self.max_message_bytes
         )
@@ -367,6 +378,37 @@ class TrainerOptions:
         if self.max_message_mb:
             return int(self.max_message_mb * MIB)
         return self.schema.batch_bytes + MIB
+
+    @property
+    def recv_threads(self) -> int:
+        """Deprecated: ``enqueue_threads``."""
+        warnings.warn(RECV_THREADS_DEPRECATED, DeprecationWarning, stacklevel=2)
+        return self.enqueue_threads
+
+
+_UNSET: Any = object()
+
+
+def _take_recv_threads(init: Any) -> Any:
+    """``TrainerOptions(recv_threads=N)``, the old keyword: checked under its own name, then
+    taken as ``enqueue_threads`` with a ``DeprecationWarning``; both at once is refused."""
+
+    @functools.wraps(init)
+    def __init__(
+        self: TrainerOptions, *args: Any, recv_threads: Any = _UNSET, **kwargs: Any
+    ) -> None:
+        if recv_threads is not _UNSET:
+            warnings.warn(RECV_THREADS_DEPRECATED, DeprecationWarning, stacklevel=2)
+            check_positive_int("recv_threads", recv_threads, MAX_ENQUEUE_THREADS)
+            if "enqueue_threads" in kwargs or len(args) > 2:
+                raise ConfigError("give enqueue_threads, not recv_threads too (its old name)")
+            kwargs["enqueue_threads"] = recv_threads
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+TrainerOptions.__init__ = _take_recv_threads(TrainerOptions.__init__)  # type: ignore[method-assign]
 
 
 # What one producer-to-trainer link carries, MB/s, when nobody says (the advice's yardstick):
@@ -393,8 +435,8 @@ class ObserveOptions:
         for name in ("progress_s", "advice_s", "wire_mb_s", "tensorboard_s"):
             check_number(name, getattr(self, name))
         port = self.metrics_port
-        if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
-            raise ConfigError(f"metrics_port must be in [0, 65535], got {port!r}")
+        if port is not None:
+            check_non_negative_int("metrics_port", port, 65535)
         if self.logdir is not None and not self.logdir.strip():
             raise ConfigError(f"logdir must name a directory, got {self.logdir!r}")
         why = endpoints.host_problem(self.metrics_bind, wildcard_ok=False)

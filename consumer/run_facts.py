@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
-from stagefeed.consumer.books.books import Books
+from stagefeed.consumer.books.books import LedgerSnapshot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,4 +53,5 @@ class RunReader:
     """The live reads observers may make, each thread-safe and cheap (no TensorFlow call)."""
 
     queue_batches: Callable[[], int]  # FIFOQueue fill now (a lower bound)
-    books: Callable[[], Books]  # the ledger's counters, one consistent read (``Ledger.read``)
+    # The ledger's counters, one consistent read (``Ledger.read``).
+    books: Callable[[], LedgerSnapshot]

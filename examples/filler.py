@@ -1,7 +1,7 @@
 """Stand-in for producer processes: one named thread putting a generator's batches into a feed.
 
 The only place the examples fill a feed; the network intake replaces it (it calls the same
-``feed.enqueue(arrays, peer, seq)`` from its receive threads).
+``feed.enqueue(arrays, peer, seq)`` from its enqueue threads).
 """
 
 from __future__ import annotations

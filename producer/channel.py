@@ -59,6 +59,7 @@ from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.schema import Schema
 from stagefeed.common.shm.slots import SlotPool
 from stagefeed.producer.handoff import (
+    CloseChannel,
     Credit,
     Drained,
     Dropped,
@@ -74,7 +75,6 @@ from stagefeed.producer.handoff import (
     Returned,
     Saved,
     Sent,
-    Shutdown,
     Welcome,
     Welcomed,
 )
@@ -345,7 +345,7 @@ class TrainerChannel:
         self._closed = True
         stuck: list[str] = []
         if self._thread.is_alive():
-            self._command(Shutdown(max(0, int(linger_s * 1000))))
+            self._command(CloseChannel(max(0, int(linger_s * 1000))))
             stuck = join_threads([self._thread], JOIN_TIMEOUT_S)
         self._drain(reraise=False)
         if self.lane is not None and not stuck:

@@ -5,7 +5,8 @@ receives, in lockstep with the others: the slowest worker sets the pace, and one
 data stalls them all (docs/scaling.md, "Producers and several trainers"). ``Fanout`` keeps one
 ``TrainerChannel`` per endpoint, each with its own hello, welcome, credit and sequence numbers,
 so each trainer sees an ordinary producer (its books and gap detection unchanged), and offers
-the producer's main loop the calls of a single ``TrainerChannel``.
+the producer's main loop the calls of a single ``TrainerChannel`` (``Channel``,
+``producer.channel_contract``).
 
 Assignment: a batch goes to a channel only against credit its trainer gave that no batch
 already handed over will use (``TrainerChannel.free_credit``): to the channel with the most,
@@ -51,6 +52,7 @@ from stagefeed.common.options import ProducerOptions
 from stagefeed.common.schema import Schema, SchemaMismatch
 from stagefeed.common.shm.slots import SlotPool
 from stagefeed.producer.channel import POLL_S, OnRelease, TrainerChannel
+from stagefeed.producer.channel_contract import Channel
 from stagefeed.producer.handoff import Drained, Outgoing, Welcome
 from stagefeed.producer.shm_lane import ShmLane
 
@@ -300,15 +302,12 @@ class Fanout:
         return len(returned)
 
 
-Channel = TrainerChannel | Fanout  # what a producer's main loop sends through
-
-
 def make_channel(
     options: ProducerOptions,
     name: str,
     configure: Callable[[zmq.Socket], None] | None,
     hello_fields: dict[str, Any] | None = None,
-) -> TrainerChannel | Fanout:
+) -> Channel:
     """The channel of one producer process: to its one trainer, or a fan-out to several.
 
     ``hello_fields`` (the shard's identity, for resume: docs/resume.md) go to a single trainer

@@ -1,8 +1,8 @@
 """What the producer's main loop and its channel thread pass each other, and nothing else.
 
-Commands go to the channel thread (``Outgoing``, ``EndPass``, ``Finish``, ``Shutdown``) on a
-queue with a wake-up pipe; events come back (``Welcomed``, ``Credit``, ``Sent``, ``Released``,
-``Returned``, ``Dropped``, ``Lost``, ``NextPass``, ``Drained``, ``Failed``) on an
+Commands go to the channel thread (``Outgoing``, ``EndPass``, ``Finish``, ``CloseChannel``)
+on a queue with a wake-up pipe; events come back (``Welcomed``, ``Credit``, ``Sent``,
+``Released``, ``Returned``, ``Dropped``, ``Lost``, ``NextPass``, ``Drained``, ``Failed``) on an
 ``EventQueue``. The two
 threads share no other state: a failure of the channel thread travels as a ``Failed`` event
 and is re-raised in the main loop.
@@ -82,8 +82,9 @@ class NextPass:
 
 
 @dataclasses.dataclass(frozen=True)
-class Shutdown:
-    """End the thread; ``linger_ms`` 0 discards what ZeroMQ holds, > 0 lets it deliver."""
+class CloseChannel:
+    """End the channel thread; ``linger_ms`` 0 discards what ZeroMQ holds, > 0 lets it
+    deliver. (Not ``common.lifecycle.Shutdown``, which turns a process's signals into a stop.)"""
 
     linger_ms: int
 

@@ -52,6 +52,7 @@ from stagefeed.common import liveness, protocol
 from stagefeed.common.errors import BrokenError, StagefeedError
 from stagefeed.common.schema import Schema
 from stagefeed.producer.handoff import (
+    CloseChannel,
     Drained,
     EndPass,
     Failed,
@@ -60,7 +61,6 @@ from stagefeed.producer.handoff import (
     Released,
     Returned,
     Sent,
-    Shutdown,
 )
 from stagefeed.producer.session import Session, message_bytes
 from stagefeed.producer.shm_lane import ShmLane
@@ -129,7 +129,7 @@ class Link:
         self._last_send = 0.0
 
     def run(self) -> None:
-        """The thread body: until ``Shutdown``, or a failure posted as ``Failed``."""
+        """The thread body: until ``CloseChannel``, or a failure posted as ``Failed``."""
         try:
             self._open()
             while self._step():
@@ -217,7 +217,7 @@ class Link:
                 self._finish = command
             elif isinstance(command, EndPass):
                 self._end_pass, self._end_pass_said = command, -1
-            elif isinstance(command, Shutdown):
+            elif isinstance(command, CloseChannel):
                 self._linger_ms = command.linger_ms
                 return False
 

@@ -25,15 +25,15 @@ from stagefeed.common.errors import BrokenError, ClosedError, ConfigError
 from stagefeed.common.options import MIB, ProducerOptions
 from stagefeed.common.position import skip_of
 from stagefeed.producer import shm_send
-from stagefeed.producer.fanout import Channel
+from stagefeed.producer.channel_contract import Channel
 from stagefeed.producer.handoff import Welcome
 from stagefeed.producer.sources import (
-    Feed,
+    BatchStream,
     SourceFactory,
     SourceFailed,
     WorkerInfo,
     is_seekable,
-    open_feed,
+    open_stream,
 )
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def send_all(
         at = dataclasses.replace(worker, start=max(0, start - base) if seekable else 0,
                                  epoch=pass_)  # fmt: skip
         try:
-            feed = open_feed(
+            stream = open_stream(
                 options.source, schema, at, max_unsent + 1, factory, options.short_batch
             )
         except (ConfigError, BrokenError) as exc:
@@ -83,12 +83,12 @@ def send_all(
             f" from batch {start}" if welcome.resume else "",
             f"; pass {pass_} of {pass_count} from batch {base}" if welcome.passes else "",
         )  # fmt: skip
-        ended = _send_feed(options, feed, base + at.start, (start, skipped), channel, welcome,
+        ended = _send_stream(options, stream, base + at.start, (start, skipped), channel, welcome,
                            stop, outcome)  # fmt: skip
         if not ended or welcome.passes is None:
             return
         last = pass_ + 1 >= pass_count  # then ``end`` follows: nothing to wait for
-        channel.end_pass(outcome.next_seq, pass_, stop, wait=not last)  # type: ignore[union-attr]
+        channel.end_pass(outcome.next_seq, pass_, stop, wait=not last)  # type: ignore[attr-defined]
         if last:
             return
         if channel.repositioned is not None:
@@ -96,9 +96,9 @@ def send_all(
         pass_, base = pass_ + 1, outcome.next_seq
 
 
-def _send_feed(
+def _send_stream(
     options: ProducerOptions,
-    feed: Feed,
+    stream: BatchStream,
     seq: int,
     resume: tuple[int, set[int]],
     channel: Channel,
@@ -106,7 +106,7 @@ def _send_feed(
     stop: Any,
     outcome: Outcome,
 ) -> bool:
-    """Send ``feed``'s batches as ``seq``, ``seq + 1``, ...; True at its end, False at
+    """Send ``stream``'s batches as ``seq``, ``seq + 1``, ...; True at its end, False at
     ``max_batches``. ``resume``: the welcome's start and the batches above it not to send."""
     start, skipped = resume
     outcome.next_seq = seq
@@ -118,7 +118,7 @@ def _send_feed(
         if channel.repositioned is not None:
             raise Rewind()
         if seq < start or seq in skipped:  # trained already (or in flight): not sent again
-            if not _discard(feed):
+            if not _discard(stream):
                 return True
             seq += 1
             outcome.next_seq = seq
@@ -126,7 +126,7 @@ def _send_feed(
         if interval:
             next_at = _pace(next_at, interval, stop)
         if channel.lane is not None:
-            slot = shm_send.send_in_slot(channel, feed, seq, stop)
+            slot = shm_send.send_in_slot(channel, stream, seq, stop)
             if slot == shm_send.END:
                 return True
             if slot != shm_send.NOT_SHARED:
@@ -137,7 +137,7 @@ def _send_feed(
                     seq += 1
                 outcome.next_seq = seq
                 continue
-        item = _next(feed)
+        item = _next(stream)
         if item is None:
             return True
         arrays, release = item
@@ -148,18 +148,18 @@ def _send_feed(
     return False
 
 
-def _next(feed: Feed) -> Any:
-    """``feed.next()``; the source's own failure raised as ``SourceFailed`` (it ends the
+def _next(stream: BatchStream) -> Any:
+    """``stream.next()``; the source's own failure raised as ``SourceFailed`` (it ends the
     stream after the good batches are delivered)."""
     try:
-        return feed.next()
+        return stream.next()
     except (ConfigError, BrokenError) as exc:
         raise SourceFailed(exc) from exc
 
 
-def _discard(feed: Feed) -> bool:
+def _discard(stream: BatchStream) -> bool:
     """Read one batch and drop it (a batch the trainer has): False at the end of the data."""
-    item = _next(feed)
+    item = _next(stream)
     if item is None:
         return False
     if item[1] is not None:

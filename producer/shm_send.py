@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from stagefeed.common.errors import BrokenError, ConfigError
-from stagefeed.producer.sources import Feed, SourceFailed
+from stagefeed.producer.sources import BatchStream, SourceFailed
 
 if TYPE_CHECKING:
-    from stagefeed.producer.fanout import Channel
+    from stagefeed.producer.channel_contract import Channel
 
 SENT = "sent"  # batch ``seq`` was handed over
 LOST = "lost"  # its pool was retired while it was written (that trainer is gone): seq is free
@@ -23,7 +23,7 @@ END = "end"  # the source's data ended
 NOT_SHARED = "zmq"  # the channel runs over ZeroMQ now (``auto`` fell back): send it that way
 
 
-def send_in_slot(channel: Channel, feed: Feed, seq: int, stop: Any) -> str:
+def send_in_slot(channel: Channel, stream: BatchStream, seq: int, stop: Any) -> str:
     """Batch ``seq`` through a slot; one of ``SENT``, ``LOST``, ``END``, ``NOT_SHARED``.
     ``SourceFailed`` if the source failed (the slot is given back)."""
     got = channel.acquire_slot(stop)
@@ -31,7 +31,7 @@ def send_in_slot(channel: Channel, feed: Feed, seq: int, stop: Any) -> str:
         return NOT_SHARED
     pool, slot = got
     try:
-        more = feed.fill_into(pool.arrays(slot))
+        more = stream.fill_into(pool.arrays(slot))
     except (ConfigError, BrokenError) as exc:
         channel.discard_slot(pool, slot)
         raise SourceFailed(exc) from exc

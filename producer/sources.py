@@ -147,8 +147,10 @@ def resolve_source(ref: str) -> SourceFactory | None:
     return factory
 
 
-class Feed:
-    """Checked batches from one source, in sending order. Used from one thread.
+class BatchStream:
+    """Checked batches from one source, in sending order. Used from one thread. (Not the
+    trainer's ``stagefeed.Feed``, the queue a training loop reads: docs/architecture.md,
+    "Glossary".)
 
     ``next()`` returns ``(arrays, release)`` or ``None`` at the end of the data. ``arrays`` is
     a dict of C-contiguous arrays exactly matching the schema. ``release`` is ``None`` when the
@@ -168,7 +170,7 @@ class Feed:
     def fill_into(self, out: dict[str, np.ndarray]) -> bool:
         """Write the next batch into ``out`` (a shared-memory slot's arrays, one per schema
         array); False at the end of the data. Here: take the next batch and copy it in (a
-        filling source writes into ``out`` itself, see ``FillingFeed``)."""
+        filling source writes into ``out`` itself, see ``FillingStream``)."""
         item = self.next()
         if item is None:
             return False
@@ -191,7 +193,7 @@ class Feed:
         )
 
 
-class IterableFeed(Feed):
+class IterableStream(BatchStream):
     """Form (a): batches from an iterable of dicts (fresh arrays, or a never-rewritten pool).
 
     A *short* batch (every array has the schema's dtype and row shape but the same, smaller
@@ -266,7 +268,7 @@ def short_rows(schema: Schema, arrays: Any) -> int | None:
     return count if 0 <= count < schema.batch_size else None
 
 
-class FillingFeed(Feed):
+class FillingStream(BatchStream):
     """Form (b): ``fill(out)`` writes into a ``BufferPool`` slot that ZeroMQ has released, or
     straight into a shared-memory slot (``fill_into``). The buffer pool is allocated on the
     first ``next()``: a producer that sends through shared memory never makes one."""
@@ -320,21 +322,21 @@ class FillingFeed(Feed):
         return True
 
 
-def open_feed(
+def open_stream(
     ref: str,
     schema: Schema,
     worker: WorkerInfo,
     pool_size: int,
     factory: SourceFactory | None = None,
     short_batch: str = "refuse",
-) -> Feed:
-    """The ``Feed`` of ``--source ref`` for ``worker``. ``pool_size`` (``max_unsent + 1``) is
+) -> BatchStream:
+    """The ``BatchStream`` of ``--source ref`` for ``worker``. ``pool_size`` (``max_unsent + 1``) is
     the number of batches the synthetic pool and a filling source's buffer pool hold.
     ``factory``: the result of ``resolve_source(ref)``, if the caller already has it.
-    ``short_batch``: ``refuse`` or ``drop`` a short batch (``IterableFeed``).
+    ``short_batch``: ``refuse`` or ``drop`` a short batch (``IterableStream``).
     """
     if ref == SYNTHETIC:
-        return IterableFeed(ref, schema, SyntheticSource(schema, pool_size, worker.seed))
+        return IterableStream(ref, schema, SyntheticSource(schema, pool_size, worker.seed))
     if factory is None:
         factory = resolve_source(ref)
     try:
@@ -347,5 +349,5 @@ def open_feed(
         ) from exc
     fill = getattr(made, "fill", None)
     if callable(fill):
-        return FillingFeed(ref, schema, made, pool_size)
-    return IterableFeed(ref, schema, made, short_batch)
+        return FillingStream(ref, schema, made, pool_size)
+    return IterableStream(ref, schema, made, short_batch)

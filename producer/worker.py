@@ -44,7 +44,8 @@ from stagefeed.common.lifecycle import STOP_SIGNALS
 from stagefeed.common.logs import setup_logging
 from stagefeed.common.options import ProducerOptions
 from stagefeed.producer.channel import TrainerChannel
-from stagefeed.producer.fanout import Channel, make_channel
+from stagefeed.producer.channel_contract import Channel
+from stagefeed.producer.fanout import make_channel
 from stagefeed.producer.process_pipes import WorkerReports
 from stagefeed.producer.send_loop import Rewind, send_all
 from stagefeed.producer.sources import (

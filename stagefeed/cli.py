@@ -89,7 +89,10 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
         help="Keras: comma-separated arrays fit gets as y (default: every array that is not "
         "a model input)",
     )  # fmt: skip
-    envflags.add(g, "--recv-threads", type=int, default=2, help="enqueue threads")
+    envflags.add(
+        g, "--enqueue-threads", type=int, default=2, old="--recv-threads",
+        help="threads moving received batches into the queue",
+    )  # fmt: skip
     envflags.add(
         g, "--steps", type=int, default=None, shown_default=str(steps),
         help="timed steps (0: until stopped or the data ends; not given, a source with "
@@ -234,7 +237,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
     return TrainerOptions(
         bind=bind,
         schema=schema_from(args),
-        recv_threads=args.recv_threads,
+        enqueue_threads=args.enqueue_threads,
         model=args.model,
         steps=_steps(args),
         warmup_steps=args.warmup_steps,
@@ -397,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         envflags.check(args)
         setup_logging(getattr(logging, args.log_level.upper()))
+        envflags.say_deprecated(args)
         keep_freed_memory_first(args)
         return args.func(args)
     except ConfigError as exc:

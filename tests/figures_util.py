@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from stagefeed.consumer.books.ledger import Books, ProducerTotals, Totals
+from stagefeed.consumer.books.ledger import LedgerSnapshot, ProducerTotals, Totals
 from stagefeed.consumer.observe.figures import Figures, Snapshot, StepTotals, figures_between
 from stagefeed.consumer.run_facts import RunFacts
 
@@ -74,9 +74,9 @@ def _books(
     batch_bytes: int,
     seq_missing: int = 0,
     dropped: dict[str, int] | None = None,
-) -> Books:
+) -> LedgerSnapshot:
     total = sum(received.values())
-    return Books(
+    return LedgerSnapshot(
         totals=Totals(
             received=total, received_bytes=total * batch_bytes, seq_missing=seq_missing
         ),

@@ -44,10 +44,10 @@ def trainer_budget_mib(producers: int, max_message_mb: float = 0.0) -> float:
 
 def batch_threads(options: TrainerOptions) -> int:
     """Threads of a trainer that allocate batch-sized buffers: libzmq's I/O threads, which
-    allocate every frame received (``min(4, recv_threads)`` of them: consumer/intake/intake.py,
-    ``Intake.start``), and the enqueue threads (``recv_threads``), in which TensorFlow copies
+    allocate every frame received (``min(4, enqueue_threads)`` of them: consumer/intake/intake.py,
+    ``Intake.start``), and the enqueue threads (``enqueue_threads``), in which TensorFlow copies
     unaligned frames."""
-    return min(4, options.recv_threads) + options.recv_threads
+    return min(4, options.enqueue_threads) + options.enqueue_threads
 
 
 def allocator_allowance_mib(producers: int, max_message_mb: float = 0.0) -> float:

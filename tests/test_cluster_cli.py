@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 240  # two TensorFlow trainers and their producers on two shared cores
 KERAS = [
     "--schema", "tests.regression_models:SCHEMA", "--model", "tests.regression_models:build",
-    "--recv-threads", "1", "--warmup-steps", "0",
+    "--enqueue-threads", "1", "--warmup-steps", "0",
 ]  # fmt: skip
 
 

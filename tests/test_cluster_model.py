@@ -25,7 +25,7 @@ def _workers(start_cli, schema: str, model: str) -> tuple[list, list[str]]:
     workers = [
         start_cli(
             ["train", "--schema", schema, "--model", model, "--bind", feeds[i], "--steps", "5",
-             "--recv-threads", "1"],
+             "--enqueue-threads", "1"],
             name=f"worker-{i}", env=cli_env(TF_CONFIG=cluster_config(i, tf_ports)),
         )  # fmt: skip
         for i in range(2)

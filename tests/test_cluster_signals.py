@@ -133,7 +133,7 @@ def test_workers_whose_passes_producers_were_refused_say_they_wait_and_stop(star
     schema = ["--schema", "tests.passes_models:SCHEMA"]
     workers = Workers(
         start_cli, tmp_path, producers=1,
-        model=[*schema, "--model", "tests.passes_models:keras_linear", "--recv-threads", "1"],
+        model=[*schema, "--model", "tests.passes_models:keras_linear", "--enqueue-threads", "1"],
         produce=[*schema, "--source", "tests.passes_models:rows"],
     )  # fmt: skip
     for producer in workers.producers:  # refused by both workers: it exits saying why

@@ -1,9 +1,10 @@
 """The received rate in a cluster worker's summary (issue 28), through the real CLI: two
 ``stagefeed train`` workers of a TF_CONFIG cluster on loopback, each fed the whole of its
 shards by a producer that delivers every batch while the cluster's first step is still being
-traced. The summary's rate is over the time the batches were received (``Books.receiving_s``,
-``FinalFigures.received_mb_per_s``), not over the window after the first step, in which
-nothing came: that said ``received 0 B/s`` after every batch had been received and trained.
+traced. The summary's rate is over the time the batches were received
+(``LedgerSnapshot.receiving_s``, ``FinalFigures.received_mb_per_s``), not over the window after
+the first step, in which nothing came: that said ``received 0 B/s`` after every batch had
+been received and trained.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def test_a_worker_whose_batches_all_came_before_its_first_step_says_their_rate(
     workers = [
         start_cli(
             ["train", "--schema", SCHEMA, "--model", "tests.matrix.data:keras_counter",
-             "--bind", feeds[i], "--steps", "0", "--warmup-steps", "0", "--recv-threads", "1",
+             "--bind", feeds[i], "--steps", "0", "--warmup-steps", "0", "--enqueue-threads", "1",
              "--json", str(tmp_path / f"worker-{i}.json")],
             name=f"worker-{i}", env=cli_env(TF_CONFIG=cluster_config(i, tf_ports)),
         )  # fmt: skip

@@ -110,7 +110,7 @@ def test_services_train_a_few_steps_then_the_healthcheck_fails(start_cli, tmp_pa
     # The seed's AlexNet (dense kernels of stddev 1.0, SGD 0.01) diverges on batches of 2
     # random images after a few steps: only the first loss is asked to be finite here.
     assert summary["device"] == "/cpu:0" and summary["loss_first"] is not None
-    assert summary["wire_dtype"] == "float32" and summary["recv_threads"] == 2
+    assert summary["wire_dtype"] == "float32" and summary["enqueue_threads"] == 2
     # Shared memory between the "containers", through the shm-sock volume (STAGEFEED_TRANSPORT
     # defaults to auto): every batch came as a slot descriptor, both pools were mapped.
     assert summary["transport"] == "shm+tcp"

@@ -173,7 +173,7 @@ def test_every_variable_a_service_sets_is_a_flag_of_its_command():
         "STAGEFEED_DTYPE",
         "STAGEFEED_STEPS",
         "STAGEFEED_QUEUE_MB",
-        "STAGEFEED_RECV_THREADS",
+        "STAGEFEED_ENQUEUE_THREADS",
         "STAGEFEED_CURVE_KEYS",
         "STAGEFEED_JSON",
     ):

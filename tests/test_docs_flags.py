@@ -53,7 +53,8 @@ def parser_flags() -> dict[str, dict[str, argparse.Action]]:
     flags: dict[str, dict[str, argparse.Action]] = {}
     for command in COMMANDS:
         for action in sub.choices[command]._actions:
-            if action.option_strings and action.dest != "help":
+            # A deprecated alias (``--recv-threads``) is hidden from the help and the table.
+            if action.option_strings and action.dest != "help" and action.help != argparse.SUPPRESS:
                 flags.setdefault(action.option_strings[0], {})[command] = action
     return flags
 

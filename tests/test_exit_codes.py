@@ -46,7 +46,7 @@ def test_produce_exits_with_the_code_of_its_sources_failure(source, code, line):
 def test_run_exits_with_the_code_of_its_sources_failure_after_the_summary(source, code, line):
     done = run_cli(
         ["run", *SOURCE, "--source", f"tests.regression_models:{source}", "--producers", "1",
-         "--model", "tests.regression_models:linear_fn", "--steps", "0", "--recv-threads", "1",
+         "--model", "tests.regression_models:linear_fn", "--steps", "0", "--enqueue-threads", "1",
          "--warmup-steps", "0"], timeout=90,
     )  # fmt: skip
     _ends_in_one_line(done, code, line)

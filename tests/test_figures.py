@@ -12,7 +12,7 @@ import pytest
 
 from stagefeed.common.errors import DropReason
 from stagefeed.common.schema import image_schema
-from stagefeed.consumer.books.ledger import Books, Ledger, ProducerTotals, Totals
+from stagefeed.consumer.books.ledger import Ledger, LedgerSnapshot, ProducerTotals, Totals
 from stagefeed.consumer.observe.figures import (
     Snapshot,
     StepCounters,
@@ -65,7 +65,7 @@ def test_window_figures() -> None:
         at=100.0,
         steps=StepTotals(steps=10, last_step=10, wait_s=1.0, step_s=1.0, queue_sum=50),
         queue_batches=5,
-        books=Books(
+        books=LedgerSnapshot(
             totals=Totals(received=30, received_bytes=30 * SPEC.batch_bytes, seq_missing=1),
             producers={"a": ProducerTotals(30, 10, 1)},
             dropped={"duplicate": 2},
@@ -77,7 +77,7 @@ def test_window_figures() -> None:
             steps=30, last_step=30, wait_s=3.0, step_s=7.0, queue_sum=90, full_steps=5, loss=2.0
         ),
         queue_batches=7,
-        books=Books(
+        books=LedgerSnapshot(
             totals=Totals(received=62, received_bytes=62 * SPEC.batch_bytes, seq_missing=1),
             producers={
                 "a": ProducerTotals(46, 20, 1),
@@ -113,7 +113,8 @@ def test_window_figures() -> None:
 
 def test_window_without_steps_has_no_step_figures() -> None:
     a = empty_snapshot(10.0)
-    b = Snapshot(at=12.0, steps=StepTotals(), queue_batches=3, books=Books(Totals(received=3)))
+    books = LedgerSnapshot(Totals(received=3))
+    b = Snapshot(at=12.0, steps=StepTotals(), queue_batches=3, books=books)
     f = figures_between(a, b, FACTS)
     assert f.steps == 0
     for value in (f.stall_pct, f.ms_per_step, f.consume_per_s, f.queue_full_pct):

@@ -63,7 +63,7 @@ class Rig:
         self.recorder = Recorder()
         # 4 enqueue threads: a pool of 6 credits, 2 for each long-lived peer below.
         options = TrainerOptions(
-            bind="tcp://127.0.0.1:*", schema=SCHEMA, queue_mb=1, recv_threads=4,
+            bind="tcp://127.0.0.1:*", schema=SCHEMA, queue_mb=1, enqueue_threads=4,
             transport="shm", shm_socket=shm_socket,
         )  # fmt: skip
         self.intake = Intake(options, SCHEMA, self.recorder, self.ledger).start()

@@ -26,7 +26,7 @@ IMAGES = [
 ]  # fmt: skip
 REGRESSION = [
     "run", "--schema", "tests.regression_models:SCHEMA", "--model", "tests.regression_models:build",
-    "--source", "tests.regression_models:nan_from_third", "--producers", "1", "--recv-threads",
+    "--source", "tests.regression_models:nan_from_third", "--producers", "1", "--enqueue-threads",
     "1", "--warmup-steps", "0",
 ]  # fmt: skip
 

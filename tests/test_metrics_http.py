@@ -94,10 +94,10 @@ def test_endpoint_moves_while_a_real_trainer_trains(start_cli, tmp_path) -> None
     producers = [labels for (name, labels) in second if name == "stagefeed_received_batches_total"]
     assert len(producers) == 1
     who = dict(producers[0])["producer"]
-    for name in ("stagefeed_steps_total", "stagefeed_trained_images_total",
+    for name in ("stagefeed_steps_total", "stagefeed_trained_examples_total",
                  "stagefeed_received_bytes_total", "process_cpu_seconds_total"):  # fmt: skip
         assert value(second, name) > value(first, name), name
-    assert value(second, "stagefeed_trained_images_total") == 2 * value(
+    assert value(second, "stagefeed_trained_examples_total") == 2 * value(
         second, "stagefeed_steps_total"
     )
     assert value(second, "stagefeed_step_compute_seconds_total") > value(
@@ -172,7 +172,7 @@ def test_scrape_reports_the_books_and_close_joins_the_threads() -> None:
     assert value(metrics, "stagefeed_queue_batches") == 3
     assert value(metrics, "stagefeed_queue_bytes") == 3 * SPEC.batch_bytes
     assert value(metrics, "stagefeed_queue_capacity_batches") == 20
-    assert value(metrics, "stagefeed_trained_images_total") == 2
+    assert value(metrics, "stagefeed_trained_examples_total") == 2
     assert value(metrics, "stagefeed_producers_seen") == 2  # prod-c delivered nothing
     assert value(metrics, "stagefeed_dropped_messages_total", reason="no_hello") == 1
     assert value(metrics, "stagefeed_connection_events_total", event="accepted") == 2
@@ -324,7 +324,7 @@ def test_a_busy_port_fails_at_start_naming_the_address() -> None:
 def test_bad_port_values_fail_at_start() -> None:
     proc = run_cli(["run", *TINY, "--metrics-port", "70000"], timeout=60)
     assert proc.returncode == 2
-    assert "metrics_port must be in [0, 65535], got 70000" in proc.stderr
+    assert "metrics_port must be an integer in [0, 65535], got 70000" in proc.stderr
     proc = run_cli(["train", *TINY], timeout=60, env=cli_env(STAGEFEED_METRICS_PORT="http"))
     assert proc.returncode == 2
     assert "STAGEFEED_METRICS_PORT='http'" in proc.stderr

@@ -51,7 +51,7 @@ def test_bad_producer_option_names_the_value(kwargs, named):
     ("kwargs", "named"),
     [
         ({"bind": "tcp://*"}, "tcp://\\*"),
-        ({"recv_threads": 0}, "recv_threads"),
+        ({"enqueue_threads": 0}, "enqueue_threads"),
         ({"steps": -1}, "steps"),
         ({"queue_mb": 1}, "queue_mb=1"),
         ({"stage_depth": 0}, "stage_depth"),
@@ -129,6 +129,85 @@ def test_a_float_option_is_finite_or_refused_naming_it(option, value):
         assert name in str(exc), exc
         return
     assert math.isfinite(getattr(options, name))
+
+
+# ---- every count is an int, never a bool -----------------------------------------------------
+
+
+def _int_options() -> list[tuple[type, str]]:
+    """Every field of ``common.options``' option classes declared ``int`` (or ``int | None``)."""
+    module = importlib.import_module("stagefeed.common.options")
+    found = []
+    for cls in vars(module).values():
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__name__.endswith(
+            "Options"
+        ):
+            for field in dataclasses.fields(cls):
+                if field.init and "int" in str(field.type).replace(" ", "").split("|"):
+                    found.append((cls, field.name))
+    return found
+
+
+INT_OPTIONS = _int_options()
+
+
+def test_the_int_options_are_found():
+    names = {f"{cls.__name__}.{name}" for cls, name in INT_OPTIONS}
+    assert {
+        "ProducerOptions.workers", "ProducerOptions.max_batches", "ProducerOptions.seed",
+        "TrainerOptions.enqueue_threads", "TrainerOptions.stage_depth", "TrainerOptions.steps",
+        "TrainerOptions.credit_per_producer", "TrainerOptions.shm_producers",
+        "TrainerOptions.epochs", "ObserveOptions.metrics_port",
+    } <= names, names  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [True, False], ids=["True", "False"])
+@pytest.mark.parametrize(
+    ("cls", "name"), INT_OPTIONS, ids=[f"{c.__name__}.{n}" for c, n in INT_OPTIONS]
+)
+def test_every_int_option_refuses_a_bool_naming_the_field(cls, name, value):
+    """``True`` is an int to Python: ``TrainerOptions(recv_threads=True)`` once made a trainer
+    with one enqueue thread, ``ProducerOptions(workers=True)`` one worker."""
+    with pytest.raises(ConfigError) as info:
+        cls(**{name: value})
+    assert f"{name} must be an integer" in str(info.value), info.value
+
+
+def test_recv_threads_is_a_deprecated_name_of_enqueue_threads():
+    """``recv_threads`` counted the enqueue threads; its old keyword and attribute still work,
+    each with a DeprecationWarning, and the old keyword is checked like the new one."""
+    with pytest.warns(DeprecationWarning, match="recv_threads is deprecated: say enqueue_threads"):
+        options = TrainerOptions(recv_threads=3)
+    assert options.enqueue_threads == 3
+    with pytest.warns(DeprecationWarning, match="say enqueue_threads"):
+        assert options.recv_threads == 3
+    for bad in (True, 0, 65, 2.0):
+        with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="recv_threads"):
+            TrainerOptions(recv_threads=bad)
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="not recv_threads"):
+        TrainerOptions(recv_threads=2, enqueue_threads=2)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["--recv-threads", "0"], {}, "--recv-threads is deprecated: say --enqueue-threads"),
+        ([], {"STAGEFEED_RECV_THREADS": "0"},
+         "STAGEFEED_RECV_THREADS is deprecated: say STAGEFEED_ENQUEUE_THREADS"),
+    ],
+    ids=["flag", "variable"],
+)  # fmt: skip
+def test_the_old_enqueue_threads_flag_and_variable_are_taken_and_said_deprecated(
+    without_tensorflow, args, env, said
+):
+    """``--recv-threads`` and ``STAGEFEED_RECV_THREADS`` still set the enqueue threads (here 0,
+    refused under the new name) and the log says what to write instead."""
+    done = run_cli(["train", *args, "--batch-size", "2"], timeout=60,
+                   env={**without_tensorflow, **env})  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and said in lines[0], done.stderr
+    assert lines[1] == "stagefeed: error: enqueue_threads must be an integer in [1, 64], got 0"
 
 
 # ---- the CLI: a bad value stops the command at start, before TensorFlow or any process --------

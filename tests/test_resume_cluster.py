@@ -32,7 +32,7 @@ TIMEOUT_S = 240  # two TensorFlow workers and two producers on two shared cores
 MODEL = [
     "--schema", "tests.resume_models:SCHEMA", "--model", "tests.resume_models:keras_counter",
     "--warmup-steps", "0", "--progress-s", "100", "--producer-timeout-s", "4",
-    "--recv-threads", "1", "--transport", "auto",
+    "--enqueue-threads", "1", "--transport", "auto",
 ]  # fmt: skip
 # Worker 0's producer hands its batches over in shared memory, worker 1's over ZeroMQ (tcp).
 TRANSPORTS = ("shm", "zmq")

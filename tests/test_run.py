@@ -77,9 +77,9 @@ def test_run_trains_and_writes_the_summary(tmp_path, dtype, transport):
 
 
 def test_bad_flag_fails_at_start_naming_the_value():
-    done = run_cli(["run", "--batch-size", "2", "--recv-threads", "0"], timeout=60)
+    done = run_cli(["run", "--batch-size", "2", "--enqueue-threads", "0"], timeout=60)
     assert done.returncode == 2
-    assert "recv_threads" in done.stderr and "0" in done.stderr
+    assert "enqueue_threads" in done.stderr and "0" in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -21,7 +21,7 @@ from tests.conftest import cli_env, run_cli
 
 REGRESSION = [
     "run", "--schema", "tests.regression_models:SCHEMA", "--producers", "1",
-    "--recv-threads", "1", "--warmup-steps", "0",
+    "--enqueue-threads", "1", "--warmup-steps", "0",
 ]  # fmt: skip
 GRAPH = ["--model", "tests.regression_models:linear_fn"]
 NAN_SOURCE = ["--source", "tests.regression_models:nan_from_third"]

@@ -16,7 +16,7 @@ def test_in_order_stream_has_no_gaps_or_duplicates():
 def test_reordered_stream_is_not_mistaken_for_duplicates():
     seqs = list(range(500))
     rng = random.Random(1)
-    for i in range(0, 500, 4):  # local reordering, as several receive threads produce
+    for i in range(0, 500, 4):  # local reordering, as several enqueue threads produce
         chunk = seqs[i : i + 4]
         rng.shuffle(chunk)
         seqs[i : i + 4] = chunk

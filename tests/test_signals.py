@@ -187,7 +187,7 @@ def _train(spawn, socket_file):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_train_while_its_enqueues_wait_on_a_full_queue(spawn, ipc_producer, sig):
     started = _train(spawn, ipc_producer)
-    # An unthrottled producer keeps the 3-batch queue full: receive threads wait in enqueue.
+    # An unthrottled producer keeps the 3-batch queue full: enqueue threads wait in enqueue.
     assert procs.wait_log(started, "staging area primed", STARTUP_S), procs.log_text(started)
     watch = Watch(started, [ipc_producer])
     assert os.path.exists(ipc_producer)

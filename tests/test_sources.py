@@ -9,10 +9,10 @@ from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.schema import ArraySpec, Schema, SchemaMismatch, image_schema
 from stagefeed.producer.buffers import ALIGN
 from stagefeed.producer.sources import (
-    FillingFeed,
-    IterableFeed,
+    FillingStream,
+    IterableStream,
     WorkerInfo,
-    open_feed,
+    open_stream,
     resolve_source,
 )
 
@@ -30,10 +30,10 @@ def worker(index: int = 0, count: int = 1, seed: int = 0) -> WorkerInfo:
     return WorkerInfo(index=index, count=count, producer_id=f"test-{index}", seed=seed)
 
 
-def drain(feed, limit: int = 100):
-    """Batches of ``feed`` until its end, releasing each at once (as ZeroMQ would, later)."""
+def drain(stream, limit: int = 100):
+    """Batches of ``stream`` until its end, releasing each at once (as ZeroMQ would, later)."""
     out = []
-    while len(out) < limit and (item := feed.next()) is not None:
+    while len(out) < limit and (item := stream.next()) is not None:
         arrays, release = item
         out.append({k: v.copy() for k, v in arrays.items()})
         if release:
@@ -60,52 +60,52 @@ def test_workers_shard_disjointly_and_completely():
     schema = Schema((ArraySpec("x", "int32"),), batch_size=2)
     seen = []
     for index in range(3):
-        feed = open_feed("tests.user_source:sharded", schema, worker(index, 3), pool_size=2)
-        assert isinstance(feed, IterableFeed)
-        seen.append([int(b["x"][0]) for b in drain(feed)])
+        stream = open_stream("tests.user_source:sharded", schema, worker(index, 3), pool_size=2)
+        assert isinstance(stream, IterableStream)
+        seen.append([int(b["x"][0]) for b in drain(stream)])
     assert seen == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
 
 
 def test_iterable_source_yields_checked_fresh_arrays():
-    feed = open_feed("tests.user_source:batches", THREE, worker(index=3, count=4), pool_size=2)
-    arrays, release = feed.next()
+    stream = open_stream("tests.user_source:batches", THREE, worker(index=3, count=4), pool_size=2)
+    arrays, release = stream.next()
     assert release is None  # fresh arrays need no tracking
     assert list(arrays) == ["features", "token_ids", "targets"]
     assert (arrays["token_ids"] == 3).all() and arrays["token_ids"].dtype == np.int64
 
 
 def test_filling_source_writes_into_aligned_pool_buffers_reused_only_after_release():
-    feed = open_feed("tests.user_source:counting", THREE, worker(), pool_size=2)
-    assert isinstance(feed, FillingFeed)
-    first, release_first = feed.next()
-    second, release_second = feed.next()
+    stream = open_stream("tests.user_source:counting", THREE, worker(), pool_size=2)
+    assert isinstance(stream, FillingStream)
+    first, release_first = stream.next()
+    second, release_second = stream.next()
     assert all(a.ctypes.data % ALIGN == 0 for a in [*first.values(), *second.values()])
     assert first["features"].ctypes.data != second["features"].ctypes.data
     assert (first["features"] == 0).all() and (second["features"] == 1).all()
     with pytest.raises(RuntimeError, match="exhausted"):
-        feed.next()  # both slots are held: nothing may be filled
+        stream.next()  # both slots are held: nothing may be filled
     release_first()
-    third, _ = feed.next()
+    third, _ = stream.next()
     assert third["features"].ctypes.data == first["features"].ctypes.data
     assert (third["features"] == 2).all() and (second["features"] == 1).all()
 
 
 def test_filling_source_ends_when_fill_returns_false():
-    feed = open_feed("tests.user_source:counting", THREE, worker(), pool_size=2)
-    assert len(drain(feed)) == 24
-    assert feed.pool.free == 2
+    stream = open_stream("tests.user_source:counting", THREE, worker(), pool_size=2)
+    assert len(drain(stream)) == 24
+    assert stream.pool.free == 2
 
 
 def test_filling_source_must_not_replace_its_buffers():
-    feed = open_feed("tests.user_source:replaces_buffers", THREE, worker(), pool_size=2)
+    stream = open_stream("tests.user_source:replaces_buffers", THREE, worker(), pool_size=2)
     with pytest.raises(ConfigError, match=r"replaced features, token_ids, targets instead of"):
-        feed.next()
+        stream.next()
 
 
 def test_first_batch_mismatch_names_source_batch_array_expected_and_actual():
-    feed = open_feed("tests.user_source:wrong_shape", THREE, worker(), pool_size=1)
+    stream = open_stream("tests.user_source:wrong_shape", THREE, worker(), pool_size=1)
     with pytest.raises(SchemaMismatch) as info:
-        feed.next()
+        stream.next()
     assert str(info.value) == (
         "source 'tests.user_source:wrong_shape' batch 0: "
         "features is float32[1, 2, 3], expected float32[8, 32]"
@@ -114,37 +114,37 @@ def test_first_batch_mismatch_names_source_batch_array_expected_and_actual():
 
 def test_a_short_last_batch_is_refused_by_name_or_dropped_when_asked():
     """Issue 20 item 1: a short last batch gets its own message naming the choice."""
-    feed = open_feed("tests.user_source:short_last", THREE, worker(), pool_size=1)
-    assert len(drain(feed, limit=2)) == 2
+    stream = open_stream("tests.user_source:short_last", THREE, worker(), pool_size=1)
+    assert len(drain(stream, limit=2)) == 2
     with pytest.raises(SchemaMismatch) as info:
-        feed.next()
+        stream.next()
     assert str(info.value) == (
         "source 'tests.user_source:short_last' batch 2 is short: 3 rows, the batch size is 8 "
         "(the end of data that does not divide by it?); pass --short-batch drop to drop "
         "short batches (like tf.data's drop_remainder)"
     )
-    feed = open_feed(
+    stream = open_stream(
         "tests.user_source:short_last", THREE, worker(), pool_size=1, short_batch="drop"
     )
-    assert len(drain(feed, limit=5)) == 2 and feed.next() is None  # the short one dropped
-    assert (feed.short_dropped, feed.short_rows_dropped) == (1, 3)
+    assert len(drain(stream, limit=5)) == 2 and stream.next() is None  # the short one dropped
+    assert (stream.short_dropped, stream.short_rows_dropped) == (1, 3)
 
 
 def test_values_outside_bounds_are_refused_on_any_batch():
     schema = Schema((ArraySpec("ids", "int64", (2,), bounds=(0, 5)),), batch_size=2)
-    feed = open_feed("tests.user_source:sharded", schema, worker(), pool_size=1)
-    assert len(drain(feed, limit=5)) == 5  # items 0..4 are inside [0, 5)
+    stream = open_stream("tests.user_source:sharded", schema, worker(), pool_size=1)
+    assert len(drain(stream, limit=5)) == 5  # items 0..4 are inside [0, 5)
     allowed = r"batch 5: ids values span \[5, 5\], allowed \[0, 5\)"
     with pytest.raises(SchemaMismatch, match=allowed):
-        feed.next()
+        stream.next()
 
 
 def test_a_failing_user_source_is_one_line_naming_it():
-    feed = open_feed("tests.user_source:fails", THREE, worker(), pool_size=1)
-    feed.next()
+    stream = open_stream("tests.user_source:fails", THREE, worker(), pool_size=1)
+    stream.next()
     with pytest.raises(BrokenError, match=r"source 'tests.user_source:fails' failed at batch 1: "
                        r"KeyError: 'no such shard'"):
-        feed.next()
+        stream.next()
 
 
 @pytest.mark.parametrize(
@@ -161,8 +161,8 @@ def test_unloadable_source_fails_naming_it(ref, match):
 
 
 def test_synthetic_source_fills_any_schema_once_and_cycles_its_pool():
-    feed = open_feed("synthetic", THREE, worker(seed=7), pool_size=3)
-    batches = [feed.next() for _ in range(7)]
+    stream = open_stream("synthetic", THREE, worker(seed=7), pool_size=3)
+    batches = [stream.next() for _ in range(7)]
     assert all(release is None for _, release in batches)  # never rewritten: no tracking
     addresses = [arrays["features"].ctypes.data for arrays, _ in batches]
     assert addresses[:3] == addresses[3:6] and addresses[6] == addresses[0]
@@ -175,8 +175,8 @@ def test_synthetic_source_fills_any_schema_once_and_cycles_its_pool():
     assert arrays["token_ids"].min() >= 0 and arrays["token_ids"].max() < 30000
     assert arrays["token_ids"].max() >= 100  # drawn from the bounds, not the default range
     assert arrays["targets"].shape == (8,)
-    again = open_feed("synthetic", THREE, worker(seed=7), pool_size=3).next()[0]
-    other = open_feed("synthetic", THREE, worker(seed=8), pool_size=3).next()[0]
+    again = open_stream("synthetic", THREE, worker(seed=7), pool_size=3).next()[0]
+    other = open_stream("synthetic", THREE, worker(seed=8), pool_size=3).next()[0]
     np.testing.assert_array_equal(again["token_ids"], arrays["token_ids"])  # reproducible
     assert not np.array_equal(other["token_ids"], arrays["token_ids"])
 
@@ -190,9 +190,9 @@ def test_synthetic_defaults_for_unbounded_ints_bools_and_uint8_images():
         ),
         batch_size=4,
     )
-    arrays = open_feed("synthetic", schema, worker(), pool_size=1).next()[0]
+    arrays = open_stream("synthetic", schema, worker(), pool_size=1).next()[0]
     assert arrays["n"].min() >= 0 and arrays["n"].max() < 100
     assert arrays["mask"].any() and not arrays["mask"].all()
     assert arrays["h"].max() < 1
-    images = open_feed("synthetic", image_schema(2, 8, "uint8", 10), worker(), 1).next()[0]
+    images = open_stream("synthetic", image_schema(2, 8, "uint8", 10), worker(), 1).next()[0]
     assert images["labels"].max() < 10 and images["images"].dtype == np.uint8

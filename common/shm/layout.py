@@ -14,6 +14,7 @@ numpy parses them.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import fcntl
 import math
 import re
@@ -35,7 +36,18 @@ F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 4)
 ALIGN = 64
 HEADER_BYTES = 64
 GEN, SEQ, STATE = 0, 1, 2  # uint64 word indices in a slot header
-FREE, WRITING, COMMITTED = 0, 1, 2
+
+
+class SlotState(enum.IntEnum):
+    """A slot's ``state`` word (``common.shm.slots``: FREE -> WRITING -> COMMITTED -> FREE).
+    An ``IntEnum``: the value is what the header's uint64 word holds."""
+
+    FREE = 0
+    WRITING = 1
+    COMMITTED = 2
+
+
+FREE, WRITING, COMMITTED = SlotState.FREE, SlotState.WRITING, SlotState.COMMITTED
 ANNOUNCE_VERSION = 1
 ANNOUNCE_KEYS = frozenset(["v", "pool", "slots", "layout"])
 MAX_SLOTS = 4096

@@ -32,8 +32,10 @@ class ProducerTotals:
 
 
 @dataclasses.dataclass(frozen=True)
-class Books:
-    """Every counter an observer reads, taken under one lock (so consistent with each other).
+class LedgerSnapshot:
+    """Every counter an observer reads, taken under one lock (so consistent with each other):
+    what ``Ledger.read()`` returns. (The books are the ledger and the trainer's other
+    accounting; this is one frozen reading of the ledger's part.)
 
     ``producers`` is keyed like ``Ledger.summary()`` (each entry's key: its label, or
     ``label#index`` when an entry open before held that label) and has no ``<unidentified>``

@@ -25,12 +25,12 @@ from collections.abc import Iterable
 from stagefeed.common.errors import DropReason
 from stagefeed.common.options import MIB
 from stagefeed.common.throttle import LogThrottle
-from stagefeed.consumer.books.books import Books, ProducerTotals, Totals
+from stagefeed.consumer.books.books import LedgerSnapshot, ProducerTotals, Totals
 from stagefeed.consumer.books.sequence import SequenceTracker
 from stagefeed.consumer.books.shard_books import ShardBooks
 
 log = logging.getLogger(__name__)
-__all__ = ["Books", "Ledger", "ProducerStats", "ProducerTotals", "Totals"]
+__all__ = ["Ledger", "LedgerSnapshot", "ProducerStats", "ProducerTotals", "Totals"]
 
 # Drops from connections without books (no hello, or a malformed message before one).
 UNIDENTIFIED = "<unidentified>"
@@ -301,11 +301,11 @@ class Ledger:
         with self._lock:
             return self._totals(self._gaps())
 
-    def read(self) -> Books:
+    def read(self) -> LedgerSnapshot:
         """Every counter an observer needs, in one lock: cheap enough for each tick or scrape."""
         with self._lock:
             gaps = self._gaps()
-            return Books(
+            return LedgerSnapshot(
                 totals=self._totals(gaps),
                 producers={
                     key: ProducerTotals(s.received, s.trained, s.sequence.missing + gaps.get(i, 0))

@@ -91,7 +91,7 @@ class Intake:
         self._configure_server = configure_server
         self._curve = configure_server is not None
         self.availability = Availability()
-        self.credit_pool = options.recv_threads + 2
+        self.credit_pool = options.enqueue_threads + 2
         self._handoff: Handoff = queue.Queue(self.credit_pool)
         self._dispatch: Dispatch | None = None  # made in start(), with the shm gate
         self._failures: queue.SimpleQueue[BaseException] = queue.SimpleQueue()
@@ -113,7 +113,7 @@ class Intake:
             self.options, self.schema, self._ledger, self._handoff, self.credit_pool, self.shm,
             self.place, lambda: self.availability.enqueued,
         )
-        self._ctx = zmq.Context(io_threads=min(4, self.options.recv_threads))
+        self._ctx = zmq.Context(io_threads=min(4, self.options.enqueue_threads))
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.RCVHWM, 2)
         router.setsockopt(zmq.SNDHWM, 64)
@@ -145,7 +145,7 @@ class Intake:
             )
         )
         self._threads.append(peers.thread)
-        for i in range(self.options.recv_threads):
+        for i in range(self.options.enqueue_threads):
             self._threads.append(
                 threading.Thread(
                     target=self._guard, args=(self._drain,), name=f"stagefeed-enqueue-{i}"
@@ -158,7 +158,7 @@ class Intake:
             self.shm.start(self._failures.put)
         log.info(
             "listening on %s: %s; %d enqueue threads, %d credits (%.1f MiB in flight at most)",
-            self.endpoint, self.schema.describe(), self.options.recv_threads, self.credit_pool,
+            self.endpoint, self.schema.describe(), self.options.enqueue_threads, self.credit_pool,
             self.credit_pool * self.schema.batch_bytes / MIB,
         )  # fmt: skip
         return self

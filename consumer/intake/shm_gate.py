@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 import queue
@@ -66,13 +67,21 @@ MAX_CHANNELS = 2 * MAX_POOLS
 JOIN_TIMEOUT_S = 3.0
 
 
+class PeerState(enum.Enum):
+    """Where one producer's fd channel is in its handshake; it only moves forward."""
+
+    TOKEN = "token"  # accepted: waiting for the welcome token of its ZeroMQ connection
+    OFFER = "offer"  # the token matched: waiting for the pool offer (and its descriptor)
+    LIVE = "live"  # the pool is mapped; any further message on the channel is refused
+
+
 @dataclasses.dataclass
 class _Peer:
-    """One fd channel: ``token`` (waiting for it), ``offer``, then ``live`` (its pool mapped)."""
+    """One fd channel and its ``PeerState``."""
 
     channel: FdChannel
     since: float
-    state: str = "token"
+    state: PeerState = PeerState.TOKEN
     routing_id: bytes | None = None
     index: int | None = None
     slots: int = 0
@@ -275,9 +284,9 @@ class ShmGate:
 
     def _service(self, poller: select.poll, peer: _Peer) -> None:
         try:
-            if peer.state == "token":
+            if peer.state is PeerState.TOKEN:
                 self._on_token(peer)
-            elif peer.state == "offer":
+            elif peer.state is PeerState.OFFER:
                 self._on_offer(peer)
             else:
                 header, fd = peer.channel.recv(timeout=0)
@@ -289,7 +298,7 @@ class ShmGate:
             self._drop_peer(poller, peer)
         except ProtocolError as exc:
             self._ledger.drop(exc.reason, f"fd socket: {exc.detail}", peer.index)
-            if peer.state != "live":
+            if peer.state is not PeerState.LIVE:
                 self._drop_peer(poller, peer)
         except TimeoutError:
             pass  # woken without a whole message
@@ -314,7 +323,7 @@ class ShmGate:
             peer.channel.send({"ok": False, "reason": DropReason.SHM_TOKEN.value, "detail": detail})
             raise ProtocolError(DropReason.SHM_TOKEN, detail)
         peer.routing_id, peer.index = found
-        peer.slots, peer.state = self.sizing.slots, "offer"
+        peer.slots, peer.state = self.sizing.slots, PeerState.OFFER
         peer.channel.send({"ok": True})
 
     def _check(self, announce: PoolAnnounce) -> None:
@@ -347,7 +356,7 @@ class ShmGate:
             self._closing.pop(peer.routing_id, None)  # its descriptors now name the new pool
             self._done.discard(peer.routing_id)
         self._table.add(mapped, peer.routing_id)  # retires the connection's older pool
-        peer.pool_id, peer.state = mapped.pool_id, "live"
+        peer.pool_id, peer.state = mapped.pool_id, PeerState.LIVE
         self.pools_accepted += 1
 
     def _drop_peer(self, poller: select.poll, peer: _Peer) -> None:
@@ -380,7 +389,7 @@ class ShmGate:
 
     def _expire(self, poller: select.poll) -> None:
         now = time.monotonic()
-        for peer in [p for p in self._peers.values() if p.state != "live"]:
+        for peer in [p for p in self._peers.values() if p.state is not PeerState.LIVE]:
             if now - peer.since > HANDSHAKE_S:
                 self._ledger.drop(DropReason.SHM_FD, f"no offer in {HANDSHAKE_S:.0f} s", peer.index)
                 self._drop_peer(poller, peer)

@@ -20,7 +20,7 @@ import threading
 import time
 
 from stagefeed.common.options import MIB
-from stagefeed.consumer.books.ledger import Books
+from stagefeed.consumer.books.ledger import LedgerSnapshot
 from stagefeed.consumer.run_facts import RunFacts, RunReader, StepRecord
 
 
@@ -70,7 +70,7 @@ class Snapshot:
     at: float
     steps: StepTotals
     queue_batches: int  # FIFOQueue fill now (lower bound, see ``Trainer.queue_batches``)
-    books: Books = Books()
+    books: LedgerSnapshot = LedgerSnapshot()
 
 
 def take_snapshot(counters: StepCounters, reader: RunReader) -> Snapshot:

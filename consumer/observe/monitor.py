@@ -220,7 +220,7 @@ class Monitor:
 
 
 def received_rate(end: Snapshot) -> float:
-    """MiB/s received over the time batches were received (``Books.receiving_s``), every
+    """MiB/s received over the time batches were received (``LedgerSnapshot.receiving_s``), every
     batch up to snapshot ``end``; NaN when that time is 0 (no batch, or one)."""
     seconds = end.books.receiving_s
     if not seconds > 0:

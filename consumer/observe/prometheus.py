@@ -100,7 +100,9 @@ class StagefeedCollector:
             "Time of the train steps themselves, waiting for input excluded",
             steps.step_s,
         )
-        yield counter("trained_images", "Images trained on", steps.steps * facts.batch_size)
+        yield counter(
+            "trained_examples", "Examples (batch rows) trained on", steps.steps * facts.batch_size
+        )
         yield gauge("loss", "Loss of the latest step", steps.loss)
         yield gauge("queue_batches", "Batches in the FIFOQueue", snap.queue_batches)
         yield gauge("queue_bytes", "Bytes in the FIFOQueue", snap.queue_batches * facts.batch_bytes)

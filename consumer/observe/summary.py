@@ -49,7 +49,7 @@ def summarize(
         "schema": spec.describe(),
         "wire_dtype": spec.wire_dtype,
         "batch_mb": round(spec.batch_bytes / MIB, 3),
-        "recv_threads": options.recv_threads,
+        "enqueue_threads": options.enqueue_threads,
         "queue_capacity": options.queue_capacity,
         "stage_depth": options.stage_depth,
         # This run's steps (a resumed run's step numbers go on from its checkpoint's).
@@ -251,7 +251,7 @@ def format_text(summary: dict[str, Any]) -> str:
     lines = [
         "stagefeed summary",
         f"  device {s['device']}, batch {s['schema']} ({size_text(s['batch_mb'])}), "
-        f"{s['recv_threads']} enqueue threads, "
+        f"{s['enqueue_threads']} enqueue threads, "
         f"queue {s['queue_capacity']} batches, staging depth {s['stage_depth']}",
         _transport_line(s),
         f"  steps {s['steps']} timed (+{s['warmup_steps']} warm-up)"

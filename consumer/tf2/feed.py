@@ -3,7 +3,7 @@
 A sketch of use (docs/tf2.md has the full story)::
 
     feed = Feed(schema, capacity=64, stage_depth=2, sink=ledger)
-    # receive threads: feed.enqueue(arrays, peer, seq)
+    # enqueue threads: feed.enqueue(arrays, peer, seq)
     model.fit(feed.dataset(("images", "labels")), steps_per_epoch=100, epochs=3,
               callbacks=[feed.callback()])
     feed.close()

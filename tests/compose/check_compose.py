@@ -303,7 +303,7 @@ def test_a_killed_producer_container_does_not_stop_training(tmp_path):
     assert (victim_state["State"]["ExitCode"], victim_state["RestartCount"]) == (137, 0)
     assert (summary["steps"], summary["interrupted"]) == (steps, False)
     # At the kill the trainer held at most 21 batches (queue 3; stage_depth + 2 + 4 x
-    # recv_threads = 12 in flight; 2 per producer): training more than that after it took
+    # enqueue_threads = 12 in flight; 2 per producer): training more than that after it took
     # batches that the two producers left delivered after it.
     trained_after = summary["batches"]["trained"] - steps_at_kill
     assert trained_after >= 30, (steps_at_kill, summary["batches"])
