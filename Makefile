@@ -36,7 +36,7 @@ test: $(STAMP)
 		echo "make test: pytest took $$(( $$(date +%s) - start )) s (exit $$code)"; exit $$code
 
 # The inner loop, under two minutes: ruff, the layer map (import-linter), the type checker and
-# the fast tests (no process started, no TensorFlow loaded: tests/fast_tests.py, pytest --fast).
+# the fast tests (no process started, no TensorFlow loaded: tests/helpers/fast_tests.py, pytest --fast).
 check: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory layers

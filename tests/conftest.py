@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from tests import fast_tests
-from tests.fast_tests import (  # noqa: F401 - pytest's hooks: --fast (make check)
+from tests.helpers import fast_tests
+from tests.helpers.fast_tests import (  # noqa: F401 - pytest's hooks: --fast (make check)
     pytest_addoption,
     pytest_ignore_collect,
     pytest_make_collect_report,
@@ -118,9 +118,10 @@ class Started:
 
 @pytest.fixture
 def spawn(tmp_path) -> Iterator:
-    """A ``tests.procs.Spawner`` logging to the test's folder; every group it started is ended
+    """A ``tests.helpers.procs.Spawner`` logging to the test's folder; every group it started is
+    ended
     at teardown (a module may define its own ``spawn``)."""
-    from tests import procs  # it imports this module
+    from tests.helpers import procs  # it imports this module
 
     spawner = procs.Spawner(tmp_path)
     yield spawner
@@ -167,7 +168,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     other test goes to whichever worker is free (a whole module on one worker left the other
     idle at the end of the run). Without xdist the mark does nothing. Under ``--fast`` (make
     check), the tests that are not fast are marked ``process`` and left out
-    (tests/fast_tests.py)."""
+    (tests/helpers/fast_tests.py)."""
     fast_tests.mark(config, items)
     tests = os.path.join(REPO, "tests")
     for item in items:
@@ -200,7 +201,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 @pytest.fixture
 def pair() -> Iterator:
-    """A producer's ``SlotPool`` and the trainer's ``MappedPool`` of it (tests.shm_pairs)."""
-    from tests.shm_pairs import pairs
+    """A producer's ``SlotPool`` and the trainer's ``MappedPool`` of it
+    (tests.helpers.shm_pairs)."""
+    from tests.helpers.shm_pairs import pairs
 
     yield from pairs()

@@ -10,7 +10,7 @@ import pytest
 from stagefeed.consumer.observe import advice
 from stagefeed.consumer.observe.advice import advise, producers_needed
 from tests.conftest import TINY, run_cli
-from tests.figures_util import window
+from tests.helpers.figures_util import window
 
 MIB = 2**20
 
@@ -152,8 +152,9 @@ def test_producers_needed() -> None:
 # this class, fed one batch a second (an AlexNet step beside a CPU hog took over a second and
 # judged a 1-batch/s run balanced).
 TINY_MODEL = [
-    "--schema", "tests.regression_models:SCHEMA", "--source", "tests.regression_models:sums",
-    "--model", "tests.regression_models:linear_fn",
+    "--schema", "tests.helpers.regression_models:SCHEMA", "--source",
+        "tests.helpers.regression_models:sums",
+    "--model", "tests.helpers.regression_models:linear_fn",
 ]  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from stagefeed.consumer.checkpoints import (
     resume_point,
 )
 from tests.conftest import run_cli
-from tests.regression_models import SCHEMA
+from tests.helpers.regression_models import SCHEMA
 
 
 class FileModel:
@@ -206,7 +206,7 @@ def test_a_run_resumes_from_its_newest_complete_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     ("changed", "refused"),
     [
-        ({"model": "tests.regression_models:linear_fn"}, "is of --model 'alexnet'"),
+        ({"model": "tests.helpers.regression_models:linear_fn"}, "is of --model 'alexnet'"),
         ({"schema": SCHEMA.with_batch_size(8)}, "was trained on"),
     ],
 )

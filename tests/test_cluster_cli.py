@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 RUN_TIMEOUT_S = 240  # two TensorFlow trainers and their producers on two shared cores
 KERAS = [
-    "--schema", "tests.regression_models:SCHEMA", "--model", "tests.regression_models:build",
+    "--schema", "tests.helpers.regression_models:SCHEMA", "--model",
+        "tests.helpers.regression_models:build",
     "--enqueue-threads", "1", "--warmup-steps", "0",
 ]  # fmt: skip
 
@@ -54,7 +55,7 @@ class Cluster:
         self.producers = [
             start_cli(
                 ["produce", "--connect", feeds[0], "--connect", feeds[1], "--rate", "20",
-                 "--schema", "tests.regression_models:SCHEMA", "--seed", str(k)],
+                 "--schema", "tests.helpers.regression_models:SCHEMA", "--seed", str(k)],
                 name=f"producer-{k}",
             )  # fmt: skip
             for k in range(2)
@@ -127,11 +128,12 @@ def test_a_producer_killed_is_survived_and_a_worker_killed_stops_the_other(start
 def test_graph_mode_in_a_cluster_is_refused_in_one_line():
     env = cli_env(TF_CONFIG=cluster_config(0, distinct_ports(2)))
     done = run_cli(
-        ["train", "--schema", "tests.regression_models:SCHEMA",
-         "--model", "tests.regression_models:linear_fn", "--steps", "2"],
+        ["train", "--schema", "tests.helpers.regression_models:SCHEMA",
+         "--model", "tests.helpers.regression_models:linear_fn", "--steps", "2"],
         env=env,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith("stagefeed: error: graph mode (--model 'tests.regression_models:")
+    said = "stagefeed: error: graph mode (--model 'tests.helpers.regression_models:"
+    assert line.startswith(said)
     assert "TF_CONFIG names a cluster of 2" in line and "Traceback" not in done.stderr

@@ -1,5 +1,6 @@
 """Two trainer workers on loopback (MultiWorkerMirroredStrategy, real processes): the custom
-distributed step and the collective stop of consumer/cluster (child: tests/cluster_child.py)."""
+distributed step and the collective stop of consumer/cluster (child:
+tests/helpers/cluster_child.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ RUN_TIMEOUT_S = 150  # two TensorFlow processes on two shared cores
 
 
 class Workers:
-    """Two ``tests.cluster_child`` processes of one cluster, each in its own process group."""
+    """Two ``tests.helpers.cluster_child`` processes of one cluster, each in its own process
+    group."""
 
     def __init__(self, tmp_path, settings: list[dict]) -> None:
         ports: set[int] = set()
@@ -36,7 +38,7 @@ class Workers:
             config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
             with open(path, "w") as log:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tests.cluster_child", json.dumps(setting)],
+                    [sys.executable, "-m", "tests.helpers.cluster_child", json.dumps(setting)],
                     stdout=log, stderr=subprocess.STDOUT, env=cli_env(TF_CONFIG=config),
                     cwd=REPO, start_new_session=True,
                 ))  # fmt: skip
@@ -86,7 +88,8 @@ def workers(tmp_path) -> Iterator:
 
 def reference(settings: dict) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.cluster_child", json.dumps({**settings, "reference": True})],
+        [sys.executable, "-m", "tests.helpers.cluster_child", json.dumps({**settings,
+            "reference": True})],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=cli_env(), cwd=REPO,
         check=False,
     )  # fmt: skip

@@ -55,11 +55,11 @@ def test_a_model_whose_output_does_not_fit_is_refused_at_start_by_every_worker(s
 def test_a_step_that_fails_ends_every_worker_with_its_summary_then_one_line(start_cli):
     """Labels without bounds: nothing to check at start; TensorFlow refuses label 9 for 3
     classes at the first step, on both workers."""
-    model = "tests.model_fit:three_classes"
-    workers, feeds = _workers(start_cli, "tests.model_fit:UNBOUNDED", model)
+    model = "tests.helpers.model_fit:three_classes"
+    workers, feeds = _workers(start_cli, "tests.helpers.model_fit:UNBOUNDED", model)
     producer = start_cli(
         ["produce", "--connect", feeds[0], "--connect", feeds[1], "--schema",
-         "tests.model_fit:UNBOUNDED", "--source", "examples.keras_images:batches"],
+         "tests.helpers.model_fit:UNBOUNDED", "--source", "examples.keras_images:batches"],
         name="producer",
     )  # fmt: skip
     for worker in workers:

@@ -38,7 +38,7 @@ class Workers:
 
     def __init__(
         self, start_cli, tmp_path, producers: int = 0, model: list[str] = KERAS,
-        produce: list[str] = ("--schema", "tests.regression_models:SCHEMA"),
+        produce: list[str] = ("--schema", "tests.helpers.regression_models:SCHEMA"),
     ) -> None:  # fmt: skip
         self.tmp_path = tmp_path
         tf_ports = distinct_ports(2)
@@ -130,11 +130,12 @@ def test_sigterm_stops_two_training_workers_after_the_same_step(start_cli, tmp_p
 
 
 def test_workers_whose_passes_producers_were_refused_say_they_wait_and_stop(start_cli, tmp_path):
-    schema = ["--schema", "tests.passes_models:SCHEMA"]
+    schema = ["--schema", "tests.helpers.passes_models:SCHEMA"]
     workers = Workers(
         start_cli, tmp_path, producers=1,
-        model=[*schema, "--model", "tests.passes_models:keras_linear", "--enqueue-threads", "1"],
-        produce=[*schema, "--source", "tests.passes_models:rows"],
+        model=[*schema, "--model", "tests.helpers.passes_models:keras_linear", "--enqueue-threads",
+            "1"],
+        produce=[*schema, "--source", "tests.helpers.passes_models:rows"],
     )  # fmt: skip
     for producer in workers.producers:  # refused by both workers: it exits saying why
         assert producer.wait(START_S) != 0

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from packaging.utils import canonicalize_name
 
-from tests import compose_local as cl
 from tests.conftest import free_tcp_port, run_cli, wait_for
+from tests.helpers import compose_local as cl
 
 DOCKERFILES = [cl.DOCKER_DIR / "Dockerfile.producer", cl.DOCKER_DIR / "Dockerfile.trainer"]
 HADOLINT = Path(sys.executable).parent / "hadolint"

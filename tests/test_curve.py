@@ -22,8 +22,8 @@ import zmq.utils.monitor
 from stagefeed.common import curve
 from stagefeed.common.errors import ConfigError
 from stagefeed.keygen import write_keys
-from tests import procs
 from tests.conftest import TINY, run_cli
+from tests.helpers import procs
 
 WAIT_MS = 10_000
 

@@ -14,8 +14,8 @@ import pytest
 
 from stagefeed.common.schema import ArraySpec, Schema
 from tests.conftest import run_cli
-from tests.resume_models import EPOCHS, ROWS, counts_in, miscounted
-from tests.standin_trainer import StandInTrainer
+from tests.helpers.resume_models import EPOCHS, ROWS, counts_in, miscounted
+from tests.helpers.standin_trainer import StandInTrainer
 from tests.test_data_sources import make_images, write_parquet
 
 IMAGES = Schema(
@@ -44,7 +44,8 @@ def test_run_trains_every_record_of_npy_files_exactly_once_per_epoch(tmp_path):
     done = run_cli([
         "run", "--producers", "2", "--batch-size", "4", "--seed", "9",
         "--source", f"npy:{tmp_path / 'ids.npy'},{tmp_path / 'x.npy'}",
-        "--model", "tests.resume_models:row_counter", "--epochs", str(EPOCHS), "--steps", "0",
+        "--model", "tests.helpers.resume_models:row_counter", "--epochs", str(EPOCHS), "--steps",
+            "0",
         "--warmup-steps", "0", "--progress-s", "100", "--save", str(save),
         "--json", str(tmp_path / "run.json"),
     ], timeout=300)  # fmt: skip
@@ -127,7 +128,7 @@ def test_produce_feeds_a_hugging_face_dataset_named_from_a_user_module(tmp_path)
     ids: list[int] = []
     with StandInTrainer(schema, regrant=True,
                         inspect=lambda seq, a: ids.extend(a["id"].tolist())) as trainer:
-        done = produce(trainer.endpoint, "tests.data_user:train", "--workers", "2")
+        done = produce(trainer.endpoint, "tests.helpers.data_user:train", "--workers", "2")
     assert done.returncode == 0, done.stderr[-4000:]
     assert len(trainer.received) == 7  # 30 rows: 7 batches of 4, 2 rows left out
     assert len(ids) == len(set(ids)) == 28 and set(ids) <= set(range(30))
@@ -146,7 +147,7 @@ def test_run_of_epochs_with_a_corrupt_jpeg_under_fail_trains_what_came_and_ends_
     make_images(tmp_path / "pets", per_class=6, bad="broken.jpg")  # 13 images: 3 batches of 4
     done = run_cli([
         "run", "--producers", "2", "--source", f"images:{tmp_path / 'pets'}",
-        "--model", "tests.image_models:tiny", "--batch-size", "4", "--short-batch", "drop",
+        "--model", "tests.helpers.image_models:tiny", "--batch-size", "4", "--short-batch", "drop",
         "--epochs", "2", "--warmup-steps", "0", "--progress-s", "100",
         "--json", str(tmp_path / "run.json"),
     ], timeout=180)  # fmt: skip

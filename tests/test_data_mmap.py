@@ -20,8 +20,8 @@ import psutil
 
 from stagefeed.common.schema import ArraySpec, Schema
 from tests.conftest import Started
-from tests.procs import workers_of
-from tests.standin_trainer import StandInTrainer
+from tests.helpers.procs import workers_of
+from tests.helpers.standin_trainer import StandInTrainer
 
 RECORD = 65536  # float32 values: 256 KiB a record
 RECORDS = 4096  # 1 GiB

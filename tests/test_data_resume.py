@@ -9,8 +9,8 @@ import re
 
 import numpy as np
 
-from tests.procs import log_text, wait_log
-from tests.resume_models import EPOCHS, ROWS, counts_in, miscounted
+from tests.helpers.procs import log_text, wait_log
+from tests.helpers.resume_models import EPOCHS, ROWS, counts_in, miscounted
 
 TIMEOUT_S = 120  # the kill at step 15 is mid-epoch: an epoch is ROWS / 4 = 24 steps
 
@@ -24,7 +24,8 @@ def test_a_killed_run_of_npy_files_resumes_and_trains_every_record_once_per_epoc
     args = [
         "run", "--producers", "2", "--batch-size", "4", "--seed", "5", "--rate", "10",
         "--source", f"npy:{tmp_path / 'ids.npy'},{tmp_path / 'x.npy'}",
-        "--model", "tests.resume_models:row_counter", "--epochs", str(EPOCHS), "--steps", "0",
+        "--model", "tests.helpers.resume_models:row_counter", "--epochs", str(EPOCHS), "--steps",
+            "0",
         "--warmup-steps", "0", "--checkpoint-every", "5", "--progress-s", "100",
         "--producer-timeout-s", "4", "--save", str(save),
     ]  # fmt: skip

@@ -187,7 +187,7 @@ def test_the_schema_derived_through_a_transform_keeps_the_readers_bounds_and_cas
 
     make_images(tmp_path, size=(12, 16))
     ref = parse_data_ref(f"images:{tmp_path}")
-    schema = derive_schema(ref, 4, seed=1, transform="tests.data_transforms:crop")
+    schema = derive_schema(ref, 4, seed=1, transform="tests.helpers.data_transforms:crop")
     images, labels = schema.arrays
     assert (images.dtype, images.shape, images.cast, images.scale) == (
         "uint8", (8, 8, 3), "float32", 1 / 255

@@ -16,7 +16,7 @@ from tests.conftest import REPO, cli_env
 @pytest.fixture(scope="module")
 def mirrored() -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.dataset_mirrored_child"],
+        [sys.executable, "-m", "tests.helpers.dataset_mirrored_child"],
         capture_output=True,
         text=True,
         timeout=180,

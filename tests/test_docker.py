@@ -27,8 +27,8 @@ import pytest
 
 from stagefeed import envflags
 from stagefeed.cli import build_parser
-from tests import compose_local as cl
 from tests.conftest import REPO
+from tests.helpers import compose_local as cl
 
 DOCKERFILES = [cl.DOCKER_DIR / "Dockerfile.producer", cl.DOCKER_DIR / "Dockerfile.trainer"]
 HADOLINT = Path(sys.executable).parent / "hadolint"

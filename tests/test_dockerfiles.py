@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import compose_local as cl
 from tests.conftest import REPO
+from tests.helpers import compose_local as cl
 
 DOCKERFILES = [cl.DOCKER_DIR / "Dockerfile.producer", cl.DOCKER_DIR / "Dockerfile.trainer"]
 HADOLINT = Path(sys.executable).parent / "hadolint"

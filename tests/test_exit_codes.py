@@ -9,18 +9,20 @@ from __future__ import annotations
 import pytest
 
 from stagefeed.common.errors import EXIT_BROKEN, EXIT_CONFIG
-from tests import regression_models
 from tests.conftest import run_cli
-from tests.standin_trainer import StandInTrainer
+from tests.helpers import regression_models
+from tests.helpers.standin_trainer import StandInTrainer
 
 CASES = [
-    ("wrong_third", EXIT_CONFIG, "stagefeed: error: source 'tests.regression_models:wrong_third' "
+    ("wrong_third", EXIT_CONFIG,
+        "stagefeed: error: source 'tests.helpers.regression_models:wrong_third' "
      "batch 2 is short: 3 rows"),
-    ("raises_third", EXIT_BROKEN, "ERROR MainProcess stagefeed: source 'tests.regression_models:"
+    ("raises_third", EXIT_BROKEN,
+        "ERROR MainProcess stagefeed: source 'tests.helpers.regression_models:"
      "raises_third' failed at batch 2: OSError: the data volume went away"),
 ]  # fmt: skip
 IDS = ["schema_mismatch", "source_raises"]
-SOURCE = ["--schema", "tests.regression_models:SCHEMA", "--max-batches", "10"]
+SOURCE = ["--schema", "tests.helpers.regression_models:SCHEMA", "--max-batches", "10"]
 
 
 def _ends_in_one_line(done, code: int, line: str) -> None:
@@ -36,7 +38,7 @@ def test_produce_exits_with_the_code_of_its_sources_failure(source, code, line):
     with StandInTrainer(regression_models.SCHEMA, regrant=True) as trainer:
         done = run_cli(
             ["produce", "--connect", trainer.endpoint, *SOURCE,
-             "--source", f"tests.regression_models:{source}"], timeout=60,
+             "--source", f"tests.helpers.regression_models:{source}"], timeout=60,
         )  # fmt: skip
     _ends_in_one_line(done, code, line)
     assert len(trainer.received) == 2  # the good batches were delivered first
@@ -45,8 +47,10 @@ def test_produce_exits_with_the_code_of_its_sources_failure(source, code, line):
 @pytest.mark.parametrize(("source", "code", "line"), CASES, ids=IDS)
 def test_run_exits_with_the_code_of_its_sources_failure_after_the_summary(source, code, line):
     done = run_cli(
-        ["run", *SOURCE, "--source", f"tests.regression_models:{source}", "--producers", "1",
-         "--model", "tests.regression_models:linear_fn", "--steps", "0", "--enqueue-threads", "1",
+        ["run", *SOURCE, "--source", f"tests.helpers.regression_models:{source}", "--producers",
+            "1",
+         "--model", "tests.helpers.regression_models:linear_fn", "--steps", "0",
+             "--enqueue-threads", "1",
          "--warmup-steps", "0"], timeout=90,
     )  # fmt: skip
     _ends_in_one_line(done, code, line)

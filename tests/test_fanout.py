@@ -1,7 +1,8 @@
 """One producer, several trainers (``producer.fanout``): every batch to exactly one, each
 trainer's sequence whole, a trainer that is slow, absent or gone holding nobody up.
 
-Real sockets on loopback against trainer stand-ins (``tests.standin_trainer``) that read each
+Real sockets on loopback against trainer stand-ins (``tests.helpers.standin_trainer``) that read
+each
 batch's number from its data: the producer writes its own count into every batch, so what
 the trainers received together can be compared with what the producer made.
 """
@@ -21,7 +22,7 @@ from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.producer.channel import TrainerChannel
 from stagefeed.producer.fanout import Fanout, make_channel
 from tests.conftest import free_tcp_port, wait_for
-from tests.standin_trainer import StandInTrainer
+from tests.helpers.standin_trainer import StandInTrainer
 from tests.test_producer_worker import Running
 
 SMALL = Schema((ArraySpec("x", "float32", (16,)), ArraySpec("y", "int32")), batch_size=4)

@@ -1,4 +1,5 @@
-"""``pytest --fast`` (make check; tests/fast_tests.py): the tests that start a process are left
+"""``pytest --fast`` (make check; tests/helpers/fast_tests.py): the tests that start a process are
+left
 out, and one the scan missed fails, naming itself, instead of running slowly."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import sys
 from tests.conftest import REPO
 
 CONFTEST = """
-from tests.fast_tests import (
+from tests.helpers.fast_tests import (
     mark,
     pytest_addoption,
     pytest_ignore_collect,

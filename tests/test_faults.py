@@ -17,9 +17,9 @@ import pytest
 import zmq
 import zmq.utils.monitor
 
-from tests import procs
 from tests.conftest import TINY
-from tests.peer import Peer
+from tests.helpers import procs
+from tests.helpers.peer import Peer
 
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
 

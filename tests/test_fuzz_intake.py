@@ -10,7 +10,7 @@ sends a valid batch against its credit, and it must be enqueued: the intake thre
 and no message is booked twice. ``shm_batch`` messages whose descriptors are nested,
 oversized or mistyped each get a ``dropped`` verdict and their credit back; ``end`` messages
 so bent are refused or taken, never an error. Examples per run follow the Hypothesis profile
-(``tests/fuzz_strategies.py``: ``quick`` by default, ``fuzz`` for ``make fuzz``).
+(``tests/helpers/fuzz_strategies.py``: ``quick`` by default, ``fuzz`` for ``make fuzz``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import MAX_ARRAYS, ArraySpec, Schema
 from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.intake import Intake
-from tests.fuzz_shm_strategies import end_headers, shm_batch_headers
-from tests.fuzz_strategies import header_bytes, schema_dicts, trainer_recursion_limit
+from tests.helpers.fuzz_shm_strategies import end_headers, shm_batch_headers
+from tests.helpers.fuzz_strategies import header_bytes, schema_dicts, trainer_recursion_limit
 from tests.hostile import wire
 from tests.hostile.peers import Peer
 from tests.test_fuzz_protocol import batch_messages

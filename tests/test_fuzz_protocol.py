@@ -37,14 +37,14 @@ from stagefeed.common.schema import (
 )
 from stagefeed.common.shm.layout import PoolAnnounce
 from stagefeed.common.shm.mapped import DESCRIPTOR_KEYS, Descriptor
-from tests.fuzz_shm_strategies import (
+from tests.helpers.fuzz_shm_strategies import (
     announces,
     built,
     descriptors,
     end_headers,
     packed_with_deep,
 )
-from tests.fuzz_strategies import (
+from tests.helpers.fuzz_strategies import (
     MAX_FRAME,
     arrays_fields,
     bounded,

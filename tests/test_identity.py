@@ -23,8 +23,8 @@ from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.intake import Intake
 from stagefeed.keygen import write_keys
-from tests import procs
 from tests.conftest import TINY, wait_for
+from tests.helpers import procs
 from tests.hostile import wire
 from tests.hostile.good_producer import start_good_producer
 from tests.hostile.peers import Peer

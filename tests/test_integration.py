@@ -9,8 +9,8 @@ import re
 import zmq
 
 from stagefeed.common import protocol
-from tests import procs
 from tests.conftest import TINY, free_tcp_port
+from tests.helpers import procs
 
 pytestmark = __import__("pytest").mark.slow
 
@@ -193,7 +193,7 @@ def test_a_source_failing_at_batch_3_has_its_good_batches_trained_and_its_reason
     ``stagefeed produce`` still exits 2 with the error in one line."""
     port, summary_path = free_tcp_port(), tmp_path / "summary.json"
     trainer = _endless_trainer(start_cli, port, summary_path)
-    source = "tests.user_source:labels_out_of_bounds_at_3"
+    source = "tests.helpers.user_source:labels_out_of_bounds_at_3"
     producer = start_cli(
         ["produce", "--connect", f"tcp://127.0.0.1:{port}", *TINY, "--source", source],
         name="producer",

@@ -1,7 +1,7 @@
 """deploy/k8s: every overlay rendered by the real kustomize, validated offline, and checked
 against the CLI as compose is (tests/test_docker.py).
 
-- every overlay renders (sigs.k8s.io/kustomize/api through pykustomize: tests/k8s_render.py;
+- every overlay renders (sigs.k8s.io/kustomize/api through pykustomize: tests/helpers/k8s_render.py;
   there is no kubectl here), and a broken kustomization does not;
 - every rendered manifest passes `kubernetes-validate --strict` (the Kubernetes schemas it
   bundles; unknown fields refused) for the oldest and newest Kubernetes the docs name; the
@@ -33,8 +33,8 @@ import yaml
 from stagefeed import envflags
 from stagefeed.cli import build_parser
 from stagefeed.common import tf_config
-from tests import compose_local as cl
-from tests import k8s_render as k8s
+from tests.helpers import compose_local as cl
+from tests.helpers import k8s_render as k8s
 
 OVERLAYS = [
     "indexed",

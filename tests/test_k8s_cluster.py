@@ -2,7 +2,7 @@
 (Indexed Job: derived in the pod by common/tf_config.py; TFJob: as the training operator
 writes it), the producers' endpoints, the local producers' sidecar (and each pod's shard
 group) and the keys each pod mounts; the checkpoints' claim is tests/test_k8s_resume.py's.
-Rendered by kustomize (tests/k8s_render.py); the worker
+Rendered by kustomize (tests/helpers/k8s_render.py); the worker
 count changed the way docs/kubernetes.md tells (a patch of the Job or TFJob and of the
 producers, and the local producers' TRAINER_WORKERS)."""
 
@@ -22,7 +22,7 @@ from stagefeed.common import curve, tf_config
 from stagefeed.common.options import ProducerOptions
 from stagefeed.producer.worker import worker_info
 from stagefeed.producer_flags import endpoints
-from tests import k8s_render as k8s
+from tests.helpers import k8s_render as k8s
 from tests.test_k8s import LOCAL_PRODUCERS, renderer_or_skip
 
 # None: the overlay as shipped (2 workers), its own figures checked against each other.

@@ -3,7 +3,8 @@ Each trainer saves on the ReadWriteMany claim at the folder its settings name (r
 real ``train`` parser), the Job and the TFJob agree, the resume overlays add only the claim,
 its mount, the two settings and the restart settings to their ``*-local-producers``
 overlays, and a user's overlay changes the storage class and size (docs/kubernetes.md "Resume
-after eviction"). Rendered by kustomize (tests/k8s_render.py), as tests/test_k8s_cluster.py."""
+after eviction"). Rendered by kustomize (tests/helpers/k8s_render.py), as
+tests/test_k8s_cluster.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests import k8s_render as k8s
+from tests.helpers import k8s_render as k8s
 from tests.test_k8s import renderer_or_skip
 from tests.test_k8s_cluster import WORKERS, parsed, trainer_container, with_workers
 

@@ -17,16 +17,18 @@ from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.tf_config import NO_CLUSTER
 from stagefeed.consumer import trainers
-from tests import regression_models
 from tests.conftest import run_cli, wait_for
+from tests.helpers import regression_models
 
 IMAGES = [
     "run", "--schema", "examples.keras_images:SCHEMA", "--model", "examples.keras_images:build",
     "--source", "examples.keras_images:batches", "--producers", "1",
 ]  # fmt: skip
 REGRESSION = [
-    "run", "--schema", "tests.regression_models:SCHEMA", "--model", "tests.regression_models:build",
-    "--source", "tests.regression_models:nan_from_third", "--producers", "1", "--enqueue-threads",
+    "run", "--schema", "tests.helpers.regression_models:SCHEMA", "--model",
+        "tests.helpers.regression_models:build",
+    "--source", "tests.helpers.regression_models:nan_from_third", "--producers", "1",
+        "--enqueue-threads",
     "1", "--warmup-steps", "0",
 ]  # fmt: skip
 
@@ -82,14 +84,16 @@ def test_sigint_stops_fit_while_it_waits_for_batches_and_the_summary_follows(sta
 @pytest.mark.parametrize(
     ("build", "named"),
     [
-        ("tests.regression_models:nope", "has no 'nope'"),
+        ("tests.helpers.regression_models:nope", "has no 'nope'"),
         ("tests.no_such_module:build", "no_such_module"),
-        ("tests.regression_models:not_a_model", "returned a str, not a keras.Model"),
-        ("tests.regression_models:uncompiled", "not compiled with a loss"),
-        ("tests.regression_models:wrong_name", "input 'inputs' is not an array of the schema"),
-        ("tests.regression_models:wrong_shape", "has shape [None, 4], the array is [4, 3]"),
-        ("tests.regression_models:wrong_dtype", "input 'features' is int32"),
-        ("tests.regression_models:fails", "failed to build: RuntimeError: 'no GPU memory left'"),
+        ("tests.helpers.regression_models:not_a_model", "returned a str, not a keras.Model"),
+        ("tests.helpers.regression_models:uncompiled", "not compiled with a loss"),
+        ("tests.helpers.regression_models:wrong_name",
+            "input 'inputs' is not an array of the schema"),
+        ("tests.helpers.regression_models:wrong_shape", "has shape [None, 4], the array is [4, 3]"),
+        ("tests.helpers.regression_models:wrong_dtype", "input 'features' is int32"),
+        ("tests.helpers.regression_models:fails",
+            "failed to build: RuntimeError: 'no GPU memory left'"),
     ],
 )
 def test_a_keras_build_that_breaks_the_convention_is_refused_before_binding(build, named):
@@ -106,17 +110,18 @@ def test_a_keras_build_that_breaks_the_convention_is_refused_before_binding(buil
 def test_targets_must_match_the_outputs():
     options = TrainerOptions(
         bind="tcp://127.0.0.1:*", schema=regression_models.SCHEMA,
-        model="tests.regression_models:build", queue_mb=1, targets=("targets", "features"),
+        model="tests.helpers.regression_models:build", queue_mb=1, targets=("targets", "features"),
     )  # fmt: skip
     with pytest.raises(ConfigError, match="cannot be both an input and a target"):
         trainers.trainer(options, place=NO_CLUSTER).start()
 
 
 def test_a_bad_model_on_the_command_line_is_one_line_and_exit_2_before_any_producer():
-    done = run_cli([*REGRESSION, "--model", "tests.regression_models:wrong_shape"])
+    done = run_cli([*REGRESSION, "--model", "tests.helpers.regression_models:wrong_shape"])
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
-    assert lines[-1].startswith("stagefeed: error: --model 'tests.regression_models:wrong_shape'")
+    assert lines[-1].startswith("stagefeed: error: --model "
+        "'tests.helpers.regression_models:wrong_shape'")
     assert "Traceback" not in done.stderr and "producers ->" not in done.stderr
     assert "stagefeed-producer" not in done.stderr and done.stdout == ""
 
@@ -126,8 +131,8 @@ def test_a_source_that_sends_a_wrong_batch_ends_the_run_in_one_line_in_every_mod
     """The producer refuses the batch and fails; the trainer's run ends (``RunEnd``: FAIL),
     Keras ``fit`` included, with the producer's one line and exit code 2, never a hang."""
     done = run_cli(
-        [*REGRESSION, "--model", f"tests.regression_models:{model}", "--steps", "0",
-         "--source", "tests.regression_models:wrong_third"], timeout=90,
+        [*REGRESSION, "--model", f"tests.helpers.regression_models:{model}", "--steps", "0",
+         "--source", "tests.helpers.regression_models:wrong_third"], timeout=90,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("stagefeed: error:")]

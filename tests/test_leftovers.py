@@ -22,7 +22,7 @@ import tempfile
 import pytest
 
 from tests.conftest import Started, cli_env, run_cli
-from tests.procs import log_text, wait_log
+from tests.helpers.procs import log_text, wait_log
 
 QUICK = ["run", "--producers", "1", "--batch-size", "2", "--steps", "1", "--warmup-steps", "0",
          "--progress-s", "100"]  # fmt: skip

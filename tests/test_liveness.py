@@ -16,7 +16,7 @@ import zmq
 from stagefeed.common import liveness
 from stagefeed.common.errors import ClosedError
 from tests.conftest import REPO, free_tcp_port, wait_for
-from tests.standin_trainer import StandInTrainer
+from tests.helpers.standin_trainer import StandInTrainer
 from tests.test_fanout import SMALL, number, options
 from tests.test_producer_worker import Running
 
@@ -48,7 +48,7 @@ def test_configure_sets_heartbeats_and_keepalive():
 STANDIN = textwrap.dedent(
     """
     import sys, time
-    from tests.standin_trainer import StandInTrainer
+    from tests.helpers.standin_trainer import StandInTrainer
     from tests.test_fanout import SMALL, number
     StandInTrainer(SMALL, sys.argv[1], regrant=True, inspect=number)
     print("bound", flush=True)

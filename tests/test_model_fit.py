@@ -13,15 +13,16 @@ import pytest
 import stagefeed
 from examples import keras_images
 from stagefeed import ServedFeed, TrainerOptions
-from tests import model_fit, regression_models
 from tests.conftest import run_cli
+from tests.helpers import model_fit, regression_models
 
 IMAGES = [
     "run", "--schema", "examples.keras_images:SCHEMA", "--source", "examples.keras_images:batches",
     "--producers", "1", "--steps", "5",
 ]  # fmt: skip
 REGRESSION = [
-    "run", "--schema", "tests.regression_models:SCHEMA", "--source", "tests.regression_models:sums",
+    "run", "--schema", "tests.helpers.regression_models:SCHEMA", "--source",
+        "tests.helpers.regression_models:sums",
     "--producers", "1", "--steps", "5",
 ]  # fmt: skip
 
@@ -30,20 +31,21 @@ def _refused_at_start(done, model: str) -> str:
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"stagefeed: error: --model 'tests.model_fit:{model}': "), lines
+    said = f"stagefeed: error: --model 'tests.helpers.model_fit:{model}': "
+    assert lines[-1].startswith(said), lines
     assert "producers ->" not in done.stderr and "stagefeed-producer" not in done.stderr
     assert done.stdout == ""  # refused at start: no run, no summary
     return lines[-1]
 
 
 def test_three_classes_for_labels_up_to_9_are_refused_at_start():
-    done = run_cli([*IMAGES, "--model", "tests.model_fit:three_classes"])
+    done = run_cli([*IMAGES, "--model", "tests.helpers.model_fit:three_classes"])
     line = _refused_at_start(done, "three_classes")
     assert "output 'dense' has 3 classes, but the target 'labels' is in [0, 10)" in line, line
 
 
 def test_a_ten_wide_output_for_scalar_targets_with_mse_is_refused_at_start():
-    done = run_cli([*REGRESSION, "--model", "tests.model_fit:ten_outputs"])
+    done = run_cli([*REGRESSION, "--model", "tests.helpers.model_fit:ten_outputs"])
     line = _refused_at_start(done, "ten_outputs")
     assert "one training step on the schema's batch fails: ValueError: Dimensions must be" in line
     assert "[4], [4,10]" in line, line
@@ -56,18 +58,18 @@ def test_a_step_that_fails_ends_with_the_summary_then_one_line_naming_the_model(
     done = run_cli(
         [
             *IMAGES[:2],
-            "tests.model_fit:UNBOUNDED",
+            "tests.helpers.model_fit:UNBOUNDED",
             *IMAGES[3:],
             "--model",
-            f"tests.model_fit:{model}",
+            f"tests.helpers.model_fit:{model}",
         ]
     )
     assert done.returncode == 3, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "stagefeed summary" in done.stdout, done.stdout
     last = done.stderr.strip().splitlines()[-1]
-    assert f"ERROR MainProcess stagefeed: --model 'tests.model_fit:{model}': a train step " \
-        "failed: InvalidArgumentError: " in last, last  # fmt: skip
+    assert f"ERROR MainProcess stagefeed: --model 'tests.helpers.model_fit:{model}': a train " \
+        "step failed: InvalidArgumentError: " in last, last  # fmt: skip
     assert "outside the valid range of [0, 3)" in last, last
 
 

@@ -12,10 +12,10 @@ from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.tf_config import NO_CLUSTER
 from stagefeed.consumer import model_ref, trainers
-from tests import regression_models
 from tests.conftest import run_cli
+from tests.helpers import regression_models
 
-M = "tests.model_kinds:"
+M = "tests.helpers.model_kinds:"
 
 
 @pytest.mark.parametrize(
@@ -24,8 +24,8 @@ M = "tests.model_kinds:"
         ("build_default", "keras"),  # once refused: "takes 0 parameters"
         ("linear_fn_default", "graph"),  # once taken for a Keras build
         ("build_with_options", "keras"),  # once taken for a graph model_fn
-        ("tests.regression_models:build", "keras"),
-        ("tests.regression_models:linear_fn", "graph"),
+        ("tests.helpers.regression_models:build", "keras"),
+        ("tests.helpers.regression_models:linear_fn", "graph"),
         ("alexnet", "graph"),
     ],
 )
@@ -83,7 +83,8 @@ def test_a_marked_model_fn_that_returns_a_keras_model_is_refused_at_start():
 
 def test_an_ambiguous_model_on_the_command_line_is_one_line_and_exit_2():
     done = run_cli([
-        "train", "--bind", "tcp://127.0.0.1:0", "--schema", "tests.regression_models:SCHEMA",
+        "train", "--bind", "tcp://127.0.0.1:0", "--schema",
+            "tests.helpers.regression_models:SCHEMA",
         "--model", M + "unmarked_fn_default",
     ], timeout=120)  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]

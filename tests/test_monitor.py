@@ -21,7 +21,7 @@ from stagefeed.consumer.graph.trainer import Trainer
 from stagefeed.consumer.observe.monitor import Monitor, unthrottled_producer_rate
 from stagefeed.consumer.observe.summary import format_text, summarize
 from stagefeed.consumer.run_facts import RunFacts, RunReader, StepRecord
-from tests.figures_util import BATCH_BYTES, window
+from tests.helpers.figures_util import BATCH_BYTES, window
 
 SPEC = image_schema(batch_size=2)
 

@@ -107,10 +107,10 @@ from stagefeed.common.options import ObserveOptions
 from stagefeed.common.tf_config import NO_CLUSTER
 from stagefeed.consumer.observe.monitor import Monitor
 from stagefeed.consumer.observe.summary import format_text, summarize
-from tests.regression_models import SCHEMA
+from tests.helpers.regression_models import SCHEMA
 
 options = TrainerOptions(
-    bind="tcp://127.0.0.1:*", schema=SCHEMA, model="tests.regression_models:build"
+    bind="tcp://127.0.0.1:*", schema=SCHEMA, model="tests.helpers.regression_models:build"
 )
 monitor = Monitor(ObserveOptions())
 trainer = trainers.trainer(options, [monitor], place=NO_CLUSTER).start()

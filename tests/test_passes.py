@@ -1,7 +1,8 @@
 """Epochs that are passes (docs/resume.md, "Passes"): two producers, each a shard of a source
 that makes one pass per call, through ``stagefeed run --epochs 3`` in graph mode.
 
-The model (``tests/passes_models.py``) counts each row per pass and counts every batch trained
+The model (``tests/helpers/passes_models.py``) counts each row per pass and counts every batch
+trained
 after a batch of a later pass (``disorder``). An epoch is every shard's pass if and only if
 the final checkpoint has every row once in every pass, ``disorder`` 0 (every batch of pass
 ``k`` trained before any of pass ``k + 1``), and the trainer's epochs end at the pass
@@ -17,8 +18,8 @@ import re
 import numpy as np
 
 from tests.conftest import run_cli, wait_for
-from tests.passes_models import BATCH, PASSES, ROWS, model_state
-from tests.procs import log_text
+from tests.helpers.passes_models import BATCH, PASSES, ROWS, model_state
+from tests.helpers.procs import log_text
 
 PER_PASS = ROWS // BATCH  # steps of one epoch: every shard's pass
 
@@ -26,8 +27,9 @@ PER_PASS = ROWS // BATCH  # steps of one epoch: every shard's pass
 def test_every_epoch_is_every_shards_pass_and_each_row_is_trained_once_in_each(tmp_path):
     save = tmp_path / "out"
     done = run_cli([
-        "run", "--producers", "2", "--schema", "tests.passes_models:SCHEMA",
-        "--source", "tests.passes_models:rows", "--model", "tests.passes_models:pass_counter",
+        "run", "--producers", "2", "--schema", "tests.helpers.passes_models:SCHEMA",
+        "--source", "tests.helpers.passes_models:rows", "--model",
+            "tests.helpers.passes_models:pass_counter",
         "--epochs", str(PASSES), "--steps", "0", "--warmup-steps", "0", "--progress-s", "100",
         "--save", str(save),
     ], timeout=240)  # fmt: skip
@@ -62,8 +64,9 @@ def test_a_run_with_passes_killed_mid_pass_resumes_with_every_row_once_in_each_p
     in pass order."""
     save = tmp_path / "out"
     command = [
-        "run", "--producers", "2", "--schema", "tests.passes_models:SCHEMA",
-        "--source", "tests.passes_models:rows", "--model", "tests.passes_models:pass_counter",
+        "run", "--producers", "2", "--schema", "tests.helpers.passes_models:SCHEMA",
+        "--source", "tests.helpers.passes_models:rows", "--model",
+            "tests.helpers.passes_models:pass_counter",
         "--epochs", str(PASSES), "--steps", "0", "--warmup-steps", "0", "--progress-s", "100",
         "--checkpoint-every", "7", "--rate", "10", "--save", str(save),
     ]  # fmt: skip
@@ -91,8 +94,9 @@ def test_keras_fit_epochs_follow_the_passes(tmp_path):
     """``fit``'s epochs end at the pass boundaries (``PassCut``), not by a guessed
     ``--steps-per-epoch``: three epochs of 60 steps, each every shard's pass."""
     done = run_cli([
-        "run", "--producers", "2", "--schema", "tests.passes_models:SCHEMA",
-        "--source", "tests.passes_models:rows", "--model", "tests.passes_models:keras_linear",
+        "run", "--producers", "2", "--schema", "tests.helpers.passes_models:SCHEMA",
+        "--source", "tests.helpers.passes_models:rows", "--model",
+            "tests.helpers.passes_models:keras_linear",
         "--epochs", str(PASSES), "--steps", "0", "--warmup-steps", "0", "--progress-s", "100",
     ], timeout=240)  # fmt: skip
     out = done.stdout + done.stderr

@@ -1,7 +1,7 @@
 """``stagefeed produce`` with several trainers: ``--connect`` repeated or a comma list,
 ``STAGEFEED_CONNECT``, ``--connect-tf-config PORT``; a bad endpoint fails at start in one line.
 
-The command runs as a real process; the trainers are stand-ins (``tests.standin_trainer``):
+The command runs as a real process; the trainers are stand-ins (``tests.helpers.standin_trainer``):
 real ROUTER sockets on loopback that read what arrives.
 """
 
@@ -17,7 +17,7 @@ from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.producer_flags import DEFAULT, endpoints
 from tests.conftest import cli_env, free_tcp_port, run_cli, wait_for
-from tests.standin_trainer import StandInTrainer
+from tests.helpers.standin_trainer import StandInTrainer
 
 SMALL = Schema((ArraySpec("x", "float32", (16,)), ArraySpec("y", "int32")), batch_size=4)
 TWO_WORKERS = {

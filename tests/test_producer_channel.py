@@ -1,4 +1,5 @@
-"""TrainerChannel against a real ROUTER peer speaking protocol v2 (``tests.standin_trainer``).
+"""TrainerChannel against a real ROUTER peer speaking protocol v2
+(``tests.helpers.standin_trainer``).
 
 Real sockets on loopback, real threads; the stand-in is a peer, not a mock of the channel.
 """
@@ -18,7 +19,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.schema import ArraySpec, Schema, SchemaMismatch
 from stagefeed.producer.channel import TrainerChannel
 from tests.conftest import wait_for
-from tests.standin_trainer import StandInTrainer
+from tests.helpers.standin_trainer import StandInTrainer
 
 SMALL = Schema((ArraySpec("x", "float32", (16,)), ArraySpec("y", "int32")), batch_size=4)
 # The shape of review finding 9: a large zero-copy frame, then a small last one (copied).

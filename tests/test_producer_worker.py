@@ -17,7 +17,7 @@ from stagefeed.producer.pool import Producers
 from stagefeed.producer.sources import WorkerInfo
 from stagefeed.producer.worker import produce
 from tests.conftest import wait_for
-from tests.standin_trainer import StandInTrainer
+from tests.helpers.standin_trainer import StandInTrainer
 
 SMALL = Schema((ArraySpec("x", "float32", (16,)), ArraySpec("y", "int32")), batch_size=4)
 # 8 MiB a batch, a zero-copy frame then a copied one; values 0..99 fit both dtypes.
@@ -85,7 +85,7 @@ def test_a_filling_source_never_gets_a_buffer_zeromq_still_holds():
     with StandInTrainer(
         CANARY, credit=2, regrant=True, rcvhwm=1, inspect=canary, read_delay_s=0.02
     ) as trainer:
-        options = options_for(trainer, source="tests.user_source:counting", inflight_mb=8)
+        options = options_for(trainer, source="tests.helpers.user_source:counting", inflight_mb=8)
         assert options.max_unsent(CANARY) == 1  # a pool of 2: each reuse follows a release
         assert Running(options).join(60) == 24
         assert wait_for(lambda: trainer.ends, 5)
@@ -95,7 +95,7 @@ def test_a_filling_source_never_gets_a_buffer_zeromq_still_holds():
 
 def test_pings_arrive_while_the_source_is_slow():
     with StandInTrainer(SMALL, credit=4) as trainer:
-        options = options_for(trainer, schema=SMALL, source="tests.user_source:slow_second")
+        options = options_for(trainer, schema=SMALL, source="tests.helpers.user_source:slow_second")
         assert Running(options).join() == 3  # the 2nd batch came after 5 s
         assert wait_for(lambda: trainer.ends, 5)
     first, second = trainer.received[0].at, trainer.received[1].at
@@ -142,17 +142,17 @@ def wrong_schema() -> Schema:
             "float32[4, 16]",
         ),
         (
-            {"source": "tests.user_source:wrong_shape"},
+            {"source": "tests.helpers.user_source:wrong_shape"},
             ConfigError,
             2,
-            "source 'tests.user_source:wrong_shape' batch 0: x is float32[1, 2, 3], "
+            "source 'tests.helpers.user_source:wrong_shape' batch 0: x is float32[1, 2, 3], "
             "expected float32[4, 16]",
         ),
         (
-            {"source": "tests.user_source:fails"},
+            {"source": "tests.helpers.user_source:fails"},
             BrokenError,
             3,
-            "source 'tests.user_source:fails' failed at batch 1: KeyError: 'no such shard'",
+            "source 'tests.helpers.user_source:fails' failed at batch 1: KeyError: 'no such shard'",
         ),
     ],
     ids=["trainer-refuses-schema", "source-mismatch", "source-fails"],
@@ -187,12 +187,13 @@ def test_a_source_failing_at_batch_3_delivers_what_it_made_then_says_why(caplog)
     """Batches 0..2 reach the trainer (none discarded), then ``end`` says ``source_error``
     with the error's text, and ``produce`` raises the source's error."""
     with StandInTrainer(SMALL, credit=1, regrant=True, read_delay_s=0.05) as trainer:
-        options = options_for(trainer, schema=SMALL, source="tests.user_source:wrong_dtype_at_3")
+        options = options_for(trainer, schema=SMALL,
+            source="tests.helpers.user_source:wrong_dtype_at_3")
         with pytest.raises(ConfigError) as info:
             Running(options).join()
         assert wait_for(lambda: trainer.byes, 5)
     message = (
-        "source 'tests.user_source:wrong_dtype_at_3' batch 3: x is float64[4, 16], "
+        "source 'tests.helpers.user_source:wrong_dtype_at_3' batch 3: x is float64[4, 16], "
         "expected float32[4, 16]"
     )
     assert str(info.value) == message
@@ -206,7 +207,8 @@ def test_a_source_failing_at_batch_3_delivers_what_it_made_then_says_why(caplog)
 
 def test_a_source_failing_at_start_still_says_why():
     with StandInTrainer(SMALL, credit=2) as trainer:
-        options = options_for(trainer, schema=SMALL, source="tests.user_source:fails_to_start")
+        options = options_for(trainer, schema=SMALL,
+            source="tests.helpers.user_source:fails_to_start")
         with pytest.raises(BrokenError) as info:
             Running(options).join()
         assert wait_for(lambda: trainer.byes, 5)

@@ -16,9 +16,9 @@ import pytest
 import stagefeed
 from stagefeed.common.options import ProducerOptions
 from stagefeed.common.schema import ArraySpec, Schema
-from tests import procs
 from tests.conftest import REPO, cli_env, wait_for
-from tests.standin_trainer import StandInTrainer
+from tests.helpers import procs
+from tests.helpers.standin_trainer import StandInTrainer
 
 SMALL = Schema((ArraySpec("x", "float32", (16,)), ArraySpec("y", "int32")), batch_size=4)
 
@@ -35,7 +35,7 @@ def _shm() -> set[str]:
 
 
 def test_a_source_error_is_raised_by_wait_and_booked_per_worker():
-    source = "tests.user_source:wrong_dtype_at_3"
+    source = "tests.helpers.user_source:wrong_dtype_at_3"
     message = f"source '{source}' batch 3: x is float64[4, 16], expected float32[4, 16]"
     with StandInTrainer(SMALL, credit=2, regrant=True) as trainer:
         options = ProducerOptions(connect=trainer.endpoint, schema=SMALL, workers=2, source=source)

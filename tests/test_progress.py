@@ -18,7 +18,7 @@ from stagefeed.consumer.observe.progress import (
     size_text,
 )
 from tests.conftest import REPO, TINY, cli, cli_env
-from tests.figures_util import window
+from tests.helpers.figures_util import window
 
 
 def test_line_shows_the_issue_figures() -> None:

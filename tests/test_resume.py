@@ -1,7 +1,7 @@
 """Resume exactly (docs/resume.md): runs killed with SIGKILL mid-epoch, re-run with the same
 command until they finish; every row is then trained exactly ``EPOCHS`` times.
 
-The model's only state is a per-row counter (``tests/resume_models.py``): the final
+The model's only state is a per-row counter (``tests/helpers/resume_models.py``): the final
 checkpoint's ``row_counts`` is ``EPOCHS`` for every row only if every batch whose effect is in
 each checkpoint was never trained again, and every batch that was not (queued, staged, in
 flight when the process died) was trained after the resume, once. A position saved before
@@ -22,15 +22,16 @@ import re
 import pytest
 
 from tests.conftest import cli_env, free_tcp_port, wait_for
-from tests.procs import log_text, wait_log
-from tests.resume_models import ROWS, counts_in, miscounted, stream
+from tests.helpers.procs import log_text, wait_log
+from tests.helpers.resume_models import ROWS, counts_in, miscounted, stream
 
 MODEL = [
-    "--schema", "tests.resume_models:SCHEMA", "--model", "tests.resume_models:row_counter",
+    "--schema", "tests.helpers.resume_models:SCHEMA", "--model",
+        "tests.helpers.resume_models:row_counter",
     "--steps", "0", "--warmup-steps", "0", "--checkpoint-every", "5", "--progress-s", "100",
     "--producer-timeout-s", "4",
 ]  # fmt: skip
-SOURCE = ["--source", "tests.resume_models:rows", "--rate", "10"]
+SOURCE = ["--source", "tests.helpers.resume_models:rows", "--rate", "10"]
 STEPS = 2 * len(stream(0, 2))  # two shards, every pass: 48 steps in all
 TIMEOUT_S = 120
 
@@ -100,7 +101,8 @@ def test_a_trainer_killed_while_its_producers_keep_running_resumes_exactly(spawn
     save, port = tmp_path / "save", free_tcp_port()
     train = ["train", "--bind", f"tcp://127.0.0.1:{port}", *MODEL, "--save", str(save)]
     producers = spawn(["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2",
-                       "--schema", "tests.resume_models:SCHEMA", *SOURCE], "producers")  # fmt: skip
+                       "--schema", "tests.helpers.resume_models:SCHEMA", *SOURCE],
+                           "producers")  # fmt: skip
     killed = _last_checkpoint(_killed_at(spawn, train, r"step 15: checkpoint", "trainer"))
     assert producers.proc.poll() is None  # they wait for a trainer, holding their batches
     text = _finished(spawn(train, "trainer-again"))
@@ -116,7 +118,8 @@ def test_producers_that_finished_stay_until_their_shard_is_saved_and_feed_a_rest
     save, port = tmp_path / "save", free_tcp_port()
     train = ["train", "--bind", f"tcp://127.0.0.1:{port}", *MODEL, "--save", str(save)]
     producers = spawn(["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2",
-                       "--schema", "tests.resume_models:SCHEMA", *SOURCE], "producers")  # fmt: skip
+                       "--schema", "tests.helpers.resume_models:SCHEMA", *SOURCE],
+                           "producers")  # fmt: skip
     # Each checkpoint pauses 2 s between its model and its state file: the producers finish
     # (every batch and their end delivered) while the trainer still has their tail to train
     # or to save.
@@ -142,8 +145,8 @@ def test_producers_waiting_for_a_run_that_finished_by_its_steps_leave_with_it(sp
     save, port = tmp_path / "save", free_tcp_port()
     model = [*MODEL, "--steps", "20"]  # the later flag wins
     producers = spawn(["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2",
-                       "--schema", "tests.resume_models:SCHEMA", "--source",
-                       "tests.resume_models:rows"], "producers")  # fmt: skip
+                       "--schema", "tests.helpers.resume_models:SCHEMA", "--source",
+                       "tests.helpers.resume_models:rows"], "producers")  # fmt: skip
     trainer = _spawn_env(spawn, ["train", "--bind", f"tcp://127.0.0.1:{port}", *model, "--save",
                                  str(save)], "trainer", cli_env(STAGEFEED_TEST_STATE_DELAY_S="1"))
     _finished(trainer)

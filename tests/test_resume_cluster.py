@@ -3,7 +3,8 @@ workers"): two ``stagefeed train`` workers (``TF_CONFIG`` on loopback), each fed
 ``stagefeed produce --shard-group g/2`` (one shard each; one in shared memory, the other over
 tcp), killed with SIGKILL and re-run until the data ends.
 
-The model (``tests/resume_models.py:keras_counter``) counts how often each row was trained (its
+The model (``tests/helpers/resume_models.py:keras_counter``) counts how often each row was trained
+(its
 counter adds every worker's rows, all-reduced, so every copy is the same) and fits one scalar
 with Adam. Only the chief's ``--save DIR`` is read: it reaches the other worker at start (the
 step, the union of the workers' books, the weights). Every row trained exactly ``EPOCHS``
@@ -22,15 +23,16 @@ import numpy as np
 import pytest
 
 from tests.conftest import cli_env
-from tests.procs import log_text, wait_log
-from tests.resume_models import keras_reference_w, keras_state_in, miscounted, stream
+from tests.helpers.procs import log_text, wait_log
+from tests.helpers.resume_models import keras_reference_w, keras_state_in, miscounted, stream
 from tests.test_cluster_cli import cluster_config, distinct_ports
 
 WORKERS = 2
 STEPS = len(stream(0, WORKERS))  # one shard a worker, every pass: 24 steps, a batch a worker
 TIMEOUT_S = 240  # two TensorFlow workers and two producers on two shared cores
 MODEL = [
-    "--schema", "tests.resume_models:SCHEMA", "--model", "tests.resume_models:keras_counter",
+    "--schema", "tests.helpers.resume_models:SCHEMA", "--model",
+        "tests.helpers.resume_models:keras_counter",
     "--warmup-steps", "0", "--progress-s", "100", "--producer-timeout-s", "4",
     "--enqueue-threads", "1", "--transport", "auto",
 ]  # fmt: skip
@@ -72,8 +74,8 @@ class ClusterRun:
         return self.start_cli(
             ["produce", "--connect", self.feeds[group], "--workers", "1",
              "--transport", TRANSPORTS[group], "--shard-group", f"{group}/{WORKERS}",
-             "--schema", "tests.resume_models:SCHEMA",
-             "--source", "tests.resume_models:rows", "--rate", str(rate)],
+             "--schema", "tests.helpers.resume_models:SCHEMA",
+             "--source", "tests.helpers.resume_models:rows", "--rate", str(rate)],
             name=f"{round_name}-producer-{group}",
         )  # fmt: skip
 
@@ -158,7 +160,8 @@ def test_a_shard_fed_to_two_workers_is_refused_at_the_first_checkpoint(start_cli
     run.producers = [
         start_cli(
             ["produce", "--connect", run.feeds[g], "--workers", "1", "--shard-group", "0/2",
-             "--schema", "tests.resume_models:SCHEMA", "--source", "tests.resume_models:rows",
+             "--schema", "tests.helpers.resume_models:SCHEMA", "--source",
+                 "tests.helpers.resume_models:rows",
              "--rate", "4"],
             name=f"twice-producer-{g}",
         )  # fmt: skip
@@ -183,7 +186,7 @@ def test_a_cluster_worker_refuses_a_producer_with_passes():
     from stagefeed.common.options import TrainerOptions
     from stagefeed.consumer.books.ledger import Ledger
     from stagefeed.consumer.intake.intake import Intake
-    from tests.resume_models import SCHEMA
+    from tests.helpers.resume_models import SCHEMA
 
     place = tf_config.place({"TF_CONFIG": cluster_config(1, distinct_ports(WORKERS))})
     options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=SCHEMA, queue_mb=1)

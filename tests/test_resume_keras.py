@@ -2,7 +2,7 @@
 killed with SIGKILL (its whole process group) mid-epoch, re-run with the same command until
 it finishes; every row is then trained exactly ``EPOCHS`` times.
 
-The model (``tests/resume_models.py:keras_counter``) counts, in a non-trainable weight, how
+The model (``tests/helpers/resume_models.py:keras_counter``) counts, in a non-trainable weight, how
 often each row was trained, and fits one scalar with Adam: its final value equals that of one
 uninterrupted ``fit`` of the same number of steps only if the weights, Adam's moments and
 ``optimizer.iterations`` were restored and the run went on for the steps left, no more.
@@ -20,8 +20,8 @@ import re
 import numpy as np
 
 from tests.conftest import free_tcp_port, run_cli
-from tests.procs import log_text, wait_log
-from tests.resume_models import (
+from tests.helpers.procs import log_text, wait_log
+from tests.helpers.resume_models import (
     BATCH,
     ROWS,
     keras_reference_w,
@@ -33,14 +33,15 @@ from tests.resume_models import (
 STEPS = 2 * len(stream(0, 2))  # two shards, every pass: 48 steps in all
 PER_EPOCH = 12  # fit's epochs: 4 of 12 steps; a checkpoint every 5 falls inside one
 MODEL = [
-    "--schema", "tests.resume_models:SCHEMA", "--model", "tests.resume_models:keras_counter",
+    "--schema", "tests.helpers.resume_models:SCHEMA", "--model",
+        "tests.helpers.resume_models:keras_counter",
     "--warmup-steps", "0", "--progress-s", "100", "--producer-timeout-s", "4",
 ]  # fmt: skip
 TIMEOUT_S = 150
 
 
 def _run(save, *extra: str) -> list[str]:
-    return ["run", "--producers", "2", *MODEL, "--source", "tests.resume_models:rows",
+    return ["run", "--producers", "2", *MODEL, "--source", "tests.helpers.resume_models:rows",
             "--save", str(save), *extra]  # fmt: skip
 
 
@@ -95,8 +96,8 @@ def test_a_keras_trainer_killed_while_its_producers_keep_running_resumes_exactly
     train = ["train", "--bind", f"tcp://127.0.0.1:{port}", *MODEL, "--steps", "0",
              "--checkpoint-every", "5", "--save", str(save)]  # fmt: skip
     producers = spawn(["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2",
-                       "--schema", "tests.resume_models:SCHEMA", "--source",
-                       "tests.resume_models:rows", "--rate", "4"], "producers")  # fmt: skip
+                       "--schema", "tests.helpers.resume_models:SCHEMA", "--source",
+                       "tests.helpers.resume_models:rows", "--rate", "4"], "producers")  # fmt: skip
     _killed_at(spawn, train, r"step 15: checkpoint", "trainer")
     assert producers.proc.poll() is None  # they wait for a trainer, holding their batches
     last = spawn(train, "trainer-again")

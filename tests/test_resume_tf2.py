@@ -5,7 +5,8 @@ The second feed confirms its saves (``confirm_saves``): its producer, finished, 
 the loop says its last position is saved.
 
 Real producer processes (``stagefeed produce``, killed with SIGKILL between the two feeds) and
-the row counter of ``tests/resume_models.py`` as the loop's only weight. The first loop stops
+the row counter of ``tests/helpers/resume_models.py`` as the loop's only weight. The first loop
+stops
 while the queue and tf.data's buffers hold batches (no rate limit): a position that counted
 them as trained leaves their rows counted ``EPOCHS - 1`` times.
 """
@@ -21,8 +22,8 @@ import tensorflow as tf
 import stagefeed
 from stagefeed import InputPosition, ServedFeed, TrainerOptions
 from tests.conftest import free_tcp_port
-from tests.procs import log_text
-from tests.resume_models import EPOCHS, ROWS, SCHEMA, stream
+from tests.helpers.procs import log_text
+from tests.helpers.resume_models import EPOCHS, ROWS, SCHEMA, stream
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,8 @@ def _options() -> TrainerOptions:
 
 def _producer(spawn, feed: ServedFeed, name: str):
     args = ["produce", "--connect", feed.endpoint, "--workers", "1", "--schema",
-            "tests.resume_models:SCHEMA", "--source", "tests.resume_models:rows"]  # fmt: skip
+            "tests.helpers.resume_models:SCHEMA", "--source",
+                "tests.helpers.resume_models:rows"]  # fmt: skip
     return spawn(args, name)
 
 

@@ -2,7 +2,8 @@
 graph mode, and a non-finite loss stopping graph mode and Keras alike.
 
 Real ``stagefeed run`` processes with one real producer process each, on the tiny regression
-of ``tests/regression_models.py``. The flag checks parse and build the options in this process
+of ``tests/helpers/regression_models.py``. The flag checks parse and build the options in this
+process
 (``main`` turns their ``ConfigError`` into one line and exit code 2, as for every flag).
 """
 
@@ -20,11 +21,11 @@ from stagefeed.common.errors import ConfigError
 from tests.conftest import cli_env, run_cli
 
 REGRESSION = [
-    "run", "--schema", "tests.regression_models:SCHEMA", "--producers", "1",
+    "run", "--schema", "tests.helpers.regression_models:SCHEMA", "--producers", "1",
     "--enqueue-threads", "1", "--warmup-steps", "0",
 ]  # fmt: skip
-GRAPH = ["--model", "tests.regression_models:linear_fn"]
-NAN_SOURCE = ["--source", "tests.regression_models:nan_from_third"]
+GRAPH = ["--model", "tests.helpers.regression_models:linear_fn"]
+NAN_SOURCE = ["--source", "tests.helpers.regression_models:nan_from_third"]
 
 
 @pytest.mark.parametrize(
@@ -44,8 +45,8 @@ def test_a_bad_run_length_flag_is_refused_naming_it(flags, named):
 
 @pytest.mark.parametrize(
     ("model", "saved"),
-    [("tests.regression_models:linear_fn", "model.ckpt.index"),
-     ("tests.regression_models:build", "model.keras")],  # fmt: skip
+    [("tests.helpers.regression_models:linear_fn", "model.ckpt.index"),
+     ("tests.helpers.regression_models:build", "model.keras")],  # fmt: skip
     ids=["graph", "keras"],
 )
 def test_a_nan_loss_stops_the_run_with_exit_4_naming_the_step(tmp_path, model, saved):
@@ -86,9 +87,9 @@ def test_warn_goes_on_for_every_epoch_and_saves_checkpoints_and_the_model(tmp_pa
 
 @pytest.mark.parametrize(
     ("model", "required", "code"),
-    [("tests.regression_models:linear_fn", False, 0),
-     ("tests.regression_models:build", False, 0),
-     ("tests.regression_models:build", True, 5)],  # fmt: skip
+    [("tests.helpers.regression_models:linear_fn", False, 0),
+     ("tests.helpers.regression_models:build", False, 0),
+     ("tests.helpers.regression_models:build", True, 5)],  # fmt: skip
     ids=["graph", "keras", "keras-required"],
 )
 def test_data_that_ends_before_the_planned_epochs_is_a_warning_or_exit_5(

@@ -1,6 +1,6 @@
 """The run's length and "finished" decided by what was planned and trained (issue 28, defects 2
 and 4): real ``stagefeed run`` processes, two producer processes each, on the sources with
-passes and the row-counting models of ``tests/run_length_models.py``.
+passes and the row-counting models of ``tests/helpers/run_length_models.py``.
 
 Defect 2: producers slower than the trainer (0.02-0.15 s a batch), so the last pass is trained
 and saved before the producers' ``end`` reaches the trainer. The final state must still say
@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 
 from tests.conftest import free_tcp_port, run_cli
-from tests.procs import log_text, wait_log
-from tests.run_length_models import PER_PASS, ROWS, graph_counts, keras_counts
+from tests.helpers.procs import log_text, wait_log
+from tests.helpers.run_length_models import PER_PASS, ROWS, graph_counts, keras_counts
 
 PASSES = 3
 BASE = [
-    "run", "--producers", "2", "--schema", "tests.run_length_models:SCHEMA",
+    "run", "--producers", "2", "--schema", "tests.helpers.run_length_models:SCHEMA",
     "--warmup-steps", "0", "--progress-s", "100",
 ]  # fmt: skip
 MODELS = {
-    "graph": ("tests.run_length_models:row_counter", "model.ckpt"),
-    "keras": ("tests.run_length_models:keras_counter", "model.keras"),
+    "graph": ("tests.helpers.run_length_models:row_counter", "model.ckpt"),
+    "keras": ("tests.helpers.run_length_models:keras_counter", "model.keras"),
 }
 
 
@@ -41,7 +41,8 @@ def test_a_finished_run_of_passes_with_slow_producers_is_finished_and_not_traine
     tmp_path, kind
 ):
     save = tmp_path / "save"
-    command = [*BASE, "--model", MODELS[kind][0], "--source", "tests.run_length_models:slow_rows",
+    command = [*BASE, "--model", MODELS[kind][0], "--source",
+        "tests.helpers.run_length_models:slow_rows",
                "--epochs", str(PASSES), "--save", str(save)]  # fmt: skip
     done = run_cli(command, timeout=240)
     out = done.stdout + done.stderr
@@ -78,7 +79,7 @@ def test_the_default_length_of_a_run_of_passes_is_its_passes(tmp_path, kind):
     + 2 steps), every row once, epochs filled in the summary and its JSON, no warning."""
     save, summary = tmp_path / "save", tmp_path / "summary.json"
     done = run_cli([
-        *BASE, "--model", MODELS[kind][0], "--source", "tests.run_length_models:fast_rows",
+        *BASE, "--model", MODELS[kind][0], "--source", "tests.helpers.run_length_models:fast_rows",
         "--save", str(save), "--json", str(summary),
     ], timeout=240)  # fmt: skip
     out = done.stdout + done.stderr
@@ -100,7 +101,8 @@ def test_the_default_length_of_a_run_of_passes_is_its_passes(tmp_path, kind):
 def test_an_explicit_steps_shorter_than_the_passes_is_a_short_run(tmp_path):
     summary = tmp_path / "summary.json"
     done = run_cli([
-        *BASE, "--model", MODELS["graph"][0], "--source", "tests.run_length_models:fast_rows",
+        *BASE, "--model", MODELS["graph"][0], "--source",
+            "tests.helpers.run_length_models:fast_rows",
         "--steps", "10", "--json", str(summary),
     ], timeout=240)  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -119,14 +121,14 @@ def test_train_and_produce_train_the_passes_with_the_default_steps_and_end_finis
     (144 steps), the state is finished with its epochs, each producer is let go by the final
     checkpoint, and ``train`` again on that directory is refused."""
     save, endpoint = tmp_path / "save", f"tcp://127.0.0.1:{free_tcp_port()}"
-    command = ["train", "--bind", endpoint, "--schema", "tests.run_length_models:SCHEMA",
+    command = ["train", "--bind", endpoint, "--schema", "tests.helpers.run_length_models:SCHEMA",
                "--model", MODELS["graph"][0], "--epochs", str(PASSES), "--warmup-steps", "0",
                "--progress-s", "100", "--save", str(save)]  # fmt: skip
     trainer = spawn(command, "trainer")
     assert wait_log(trainer, r"listening on tcp://", 90), log_text(trainer)[-3000:]
     producers = spawn(["produce", "--connect", endpoint, "--workers", "2", "--schema",
-                       "tests.run_length_models:SCHEMA", "--source",
-                       "tests.run_length_models:slow_rows"], "producers")  # fmt: skip
+                       "tests.helpers.run_length_models:SCHEMA", "--source",
+                       "tests.helpers.run_length_models:slow_rows"], "producers")  # fmt: skip
     assert trainer.wait(240) == 0, log_text(trainer)[-4000:]
     assert producers.wait(60) == 0, log_text(producers)[-4000:]
     assert f"steps {PASSES * PER_PASS} timed" in log_text(trainer), log_text(trainer)[-3000:]

@@ -1,7 +1,7 @@
 """The public API maps passes to Keras epochs (issue 28, defect 5): ``ServedFeed`` and
 ``fit(epochs=E)`` without ``steps_per_epoch`` on a source with passes gives E epochs, one a
 pass, each with its validation; real producer processes (``stagefeed produce``) of the
-sources with passes in ``tests/run_length_models.py``, a row-counting Keras model.
+sources with passes in ``tests/helpers/run_length_models.py``, a row-counting Keras model.
 
 ``saved(position)`` decides ``finished`` by the same rule as the CLI trainers
 (``run_end.finished_because``): the last position, all passes trained, lets the producers go.
@@ -19,8 +19,8 @@ import tensorflow as tf
 from stagefeed import ServedFeed, TrainerOptions
 from stagefeed.common.errors import ConfigError
 from tests.conftest import free_tcp_port
-from tests.procs import log_text
-from tests.run_length_models import BATCH, PER_PASS, ROWS, SCHEMA, keras_counter
+from tests.helpers.procs import log_text
+from tests.helpers.run_length_models import BATCH, PER_PASS, ROWS, SCHEMA, keras_counter
 
 PASSES = 3
 
@@ -32,8 +32,8 @@ def _options(epochs: int) -> TrainerOptions:
 
 def _producers(spawn, feed: ServedFeed, source: str = "fast_rows"):
     return spawn(["produce", "--connect", feed.endpoint, "--workers", "2", "--schema",
-                  "tests.run_length_models:SCHEMA", "--source",
-                  f"tests.run_length_models:{source}"], "producers")  # fmt: skip
+                  "tests.helpers.run_length_models:SCHEMA", "--source",
+                  f"tests.helpers.run_length_models:{source}"], "producers")  # fmt: skip
 
 
 class _CountsPerEpoch(keras.callbacks.Callback):

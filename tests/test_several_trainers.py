@@ -2,7 +2,7 @@
 batch trained by exactly one trainer, none lost, both fed; one trainer killed mid-run, the
 producers report it by endpoint and keep the other training.
 
-The trainers run the tiny regression (tests/regression_models.py) in graph mode: the feed is
+The trainers run the tiny regression (tests/helpers/regression_models.py) in graph mode: the feed is
 under test, not the model.
 """
 
@@ -15,13 +15,13 @@ import pytest
 
 from stagefeed.common.options import ProducerOptions
 from stagefeed.producer.pool import Producers
-from tests import procs
+from tests.helpers import procs
 
 pytestmark = pytest.mark.slow
 
 REGRESSION = [
-    "--schema", "tests.regression_models:SCHEMA", "--batch-size", "4",
-    "--model", "tests.regression_models:linear_fn",
+    "--schema", "tests.helpers.regression_models:SCHEMA", "--batch-size", "4",
+    "--model", "tests.helpers.regression_models:linear_fn",
 ]  # fmt: skip
 STARTUP_S = 120
 
@@ -46,7 +46,7 @@ def test_two_producers_feed_two_trainers_each_batch_trained_once(spawn, transpor
     a, b = trainers(spawn, transport)
     producers = spawn(
         ["produce", "--connect", a.endpoint, "--connect", b.endpoint, "--workers", "2",
-         "--source", "tests.regression_models:sums", "--max-batches", "40",
+         "--source", "tests.helpers.regression_models:sums", "--max-batches", "40",
          "--transport", transport],
         name="producers",
     )  # fmt: skip
@@ -86,7 +86,7 @@ def test_two_producers_feed_two_trainers_each_batch_trained_once(spawn, transpor
 def test_a_trainer_killed_mid_run_is_reported_and_the_other_keeps_training(spawn):
     a, b = trainers(spawn)
     options = ProducerOptions(
-        connect=(a.endpoint, b.endpoint), workers=2, source="tests.regression_models:sums",
+        connect=(a.endpoint, b.endpoint), workers=2, source="tests.helpers.regression_models:sums",
         rate=40.0,
     )  # fmt: skip
     with Producers(options) as producers:

@@ -19,8 +19,8 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.books.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
-from tests import resume_models
-from tests.procs import log_text
+from tests.helpers import resume_models
+from tests.helpers.procs import log_text
 from tests.test_intake import GOOD, SCHEMA, Recorder, _reply, _wait
 
 TIMEOUT_S = 60
@@ -96,8 +96,9 @@ def test_a_hello_that_leaves_settles_no_shard_count_and_real_producers_feed_the_
     assert _reply(stray)["t"] == "welcome"
     stray.close()
     producers = start_cli(["produce", "--connect", intake.endpoint, "--workers", "2",
-                           "--schema", "tests.resume_models:SCHEMA",
-                           "--source", "tests.resume_models:rows"], name="producers")  # fmt: skip
+                           "--schema", "tests.helpers.resume_models:SCHEMA",
+                           "--source", "tests.helpers.resume_models:rows"],
+                               name="producers")  # fmt: skip
     assert producers.wait(TIMEOUT_S * 2) == 0, log_text(producers)[-3000:]
     per_shard = len(resume_models.stream(0, 2))
     assert len(enqueued.got) == 2 * per_shard
@@ -147,7 +148,8 @@ def test_a_restarted_producer_gets_its_shard_back_after_kill_9(start_cli, caplog
     intake = _intake(resume_models.SCHEMA, enqueue=enqueued)
     try:
         args = ["produce", "--connect", intake.endpoint, "--workers", "1",
-                "--schema", "tests.resume_models:SCHEMA", "--source", "tests.resume_models:rows"]
+                "--schema", "tests.helpers.resume_models:SCHEMA", "--source",
+                    "tests.helpers.resume_models:rows"]
         first = start_cli([*args, "--rate", "10"], name="first")
         _wait(lambda: len(enqueued.got) >= 5, "5 batches of the first producer", TIMEOUT_S)
         first.kill_group()
@@ -173,8 +175,8 @@ def test_a_producer_whose_shard_is_carried_is_told_why_and_carries_it_once_it_is
     holder = peers(intake)
     assert _hello(holder, 0, 1, resume_models.SCHEMA)["t"] == "welcome"
     second = start_cli(["produce", "--connect", intake.endpoint, "--workers", "1",
-                        "--schema", "tests.resume_models:SCHEMA",
-                        "--source", "tests.resume_models:rows"], name="second")  # fmt: skip
+                        "--schema", "tests.helpers.resume_models:SCHEMA",
+                        "--source", "tests.helpers.resume_models:rows"], name="second")  # fmt: skip
     _wait(lambda: "refused our shard" in log_text(second), "the refusal said", TIMEOUT_S)
     assert "carried by the live connection of producer peer-0-of-1" in log_text(second)
     assert second.proc.poll() is None and enqueued.got == []

@@ -22,8 +22,8 @@ from stagefeed.common.options import ProducerOptions
 from stagefeed.common.position import MAX_SHARDS
 from stagefeed.producer.worker import worker_info
 from tests.conftest import cli_env, free_tcp_port, run_cli
-from tests.procs import log_text
-from tests.resume_models import counts_in, miscounted, stream
+from tests.helpers.procs import log_text
+from tests.helpers.resume_models import counts_in, miscounted, stream
 
 # A trainer nobody listens at: every bad value must fail before connecting.
 NOWHERE = ["produce", "--connect", "tcp://127.0.0.1:9", "--max-batches", "1"]
@@ -116,10 +116,12 @@ def test_a_bad_variable_fails_at_start_in_one_line_naming_it(value, line):
 # ---- real processes: two produce commands, one run -------------------------------------------
 
 MODEL = [
-    "--schema", "tests.resume_models:SCHEMA", "--model", "tests.resume_models:row_counter",
+    "--schema", "tests.helpers.resume_models:SCHEMA", "--model",
+        "tests.helpers.resume_models:row_counter",
     "--steps", "0", "--warmup-steps", "0", "--checkpoint-every", "5", "--progress-s", "100",
 ]  # fmt: skip
-SOURCE = ["--schema", "tests.resume_models:SCHEMA", "--source", "tests.resume_models:rows"]
+SOURCE = ["--schema", "tests.helpers.resume_models:SCHEMA", "--source",
+    "tests.helpers.resume_models:rows"]
 GROUPS = 2
 # Shard g of 2 carries rows g, g+2, ...: its stream, every pass, is half the run's steps.
 PER_SHARD = len(stream(0, GROUPS))

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests import procs, shm_procs
+from tests.helpers import procs, shm_procs
 
 pytestmark = pytest.mark.slow  # TensorFlow in a subprocess
 

@@ -2,7 +2,7 @@
 out-of-range descriptors, pools whose seals, size, layout or token are wrong, a producer that
 tries to shrink its mapped pool, another user, and a pool that does not fit at start.
 
-One canary trainer (``tests.shm_canary``) serves the whole module, fed by a real producer
+One canary trainer (``tests.helpers.shm_canary``) serves the whole module, fed by a real producer
 all along: every attack must be refused and counted under its reason (the trainer's
 Prometheus counters), and that producer must go on training, uncorrupted.
 """
@@ -26,9 +26,9 @@ from stagefeed.common.errors import BrokenError
 from stagefeed.common.shm.fd_passing import FdChannel, offer_pool
 from stagefeed.common.shm.layout import F_ADD_SEALS, F_SEAL_GROW, F_SEAL_SHRINK, SlotLayout
 from stagefeed.common.shm.slots import SlotPool, reserve
-from tests import procs, shm_procs
 from tests.conftest import REPO, cli, cli_env, wait_for
-from tests.shm_canary import SCHEMA
+from tests.helpers import procs, shm_procs
+from tests.helpers.shm_canary import SCHEMA
 
 pytestmark = pytest.mark.slow  # TensorFlow in a subprocess
 
@@ -396,7 +396,7 @@ def test_a_pool_that_does_not_fit_is_a_clear_error_at_start(live):
 
     done = subprocess.run(
         cli("produce", "--connect", live.trainer.endpoint, "--transport", "shm",
-            "--source", "tests.shm_canary:source"),
+            "--source", "tests.helpers.shm_canary:source"),
         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120,
         preexec_fn=small_files,
     )  # fmt: skip

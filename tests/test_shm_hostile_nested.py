@@ -22,7 +22,7 @@ import pytest
 from stagefeed.common.shm.layout import SlotLayout
 from stagefeed.common.shm.slots import SlotPool
 from tests import test_shm_hostile
-from tests.shm_canary import SCHEMA
+from tests.helpers.shm_canary import SCHEMA
 from tests.test_shm_hostile import Live, Peer, counted
 
 pytestmark = pytest.mark.slow  # TensorFlow in a subprocess

@@ -1,7 +1,7 @@
 """Shared-memory faults with real processes: a producer killed with -9 in the middle of writing
 a slot, and a trainer killed with -9 and restarted under running producers.
 
-The trainer is the canary trainer (``tests.shm_canary``): its model checks every trained
+The trainer is the canary trainer (``tests.helpers.shm_canary``): its model checks every trained
 batch's content, so "never trained a torn slot" is measured, not assumed. Producer ids carry
 the worker's pid, which is how a test finds the counters of the process it started.
 """
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from stagefeed.common.shm.layout import WRITING, SlotLayout, header_words
-from tests import procs, shm_procs
 from tests.conftest import cli_env, wait_for
-from tests.shm_canary import SCHEMA
+from tests.helpers import procs, shm_procs
+from tests.helpers.shm_canary import SCHEMA
 
 pytestmark = pytest.mark.slow  # TensorFlow in a subprocess
 
@@ -107,7 +107,7 @@ def test_producer_killed_mid_write_its_torn_slot_is_never_trained(spawn):
 
 def test_trainer_killed_and_restarted_producers_resume_over_shared_memory(spawn):
     before = dev_shm()
-    model = ("--model", "tests.shm_canary:consistent_fn")  # batches in flight are lost
+    model = ("--model", "tests.helpers.shm_canary:consistent_fn")  # batches in flight are lost
     first = shm_procs.CanaryTrainer(spawn, *model, name="first")
     producers = [
         shm_procs.produce(spawn, first.endpoint, "--rate", "30", name=f"p{i}") for i in range(2)

@@ -24,7 +24,7 @@ from stagefeed.common.shm.layout import (
 )
 from stagefeed.common.shm.mapped import Descriptor, MappedPool, PoolTable
 from stagefeed.common.shm.slots import SlotPool, reserve
-from tests.shm_pairs import OWNER, SMALL, Released, publish
+from tests.helpers.shm_pairs import OWNER, SMALL, Released, publish
 
 
 def test_commit_then_view_round_trip_is_read_only(pair):

@@ -29,7 +29,7 @@ from stagefeed.common.shm.layout import (
 from stagefeed.common.shm.mapped import Descriptor
 from stagefeed.common.shm.sizing import slots_needed, slots_per_pool
 from stagefeed.common.shm.slots import SlotPool
-from tests.shm_pairs import ODD, SMALL, publish
+from tests.helpers.shm_pairs import ODD, SMALL, publish
 
 
 def test_layout_offsets_and_every_view_are_64_byte_aligned(pair):

@@ -17,8 +17,8 @@ import pytest
 
 from stagefeed.common.shm.sizing import pool_slots
 from stagefeed.keygen import write_keys
-from tests import procs
 from tests.conftest import REPO, TINY, cli_env, free_tcp_port, run_cli
+from tests.helpers import procs
 
 pytestmark = pytest.mark.slow  # TensorFlow in a subprocess
 
@@ -102,7 +102,7 @@ def test_one_trainer_takes_shared_memory_and_curve_tcp_producers_at_once(spawn, 
 def _child(args: list[str], log_path) -> subprocess.Popen:
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "tests.shm_canary", *args], cwd=REPO, env=cli_env(),
+            [sys.executable, "-m", "tests.helpers.shm_canary", *args], cwd=REPO, env=cli_env(),
             stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
 

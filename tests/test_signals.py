@@ -28,8 +28,8 @@ import zmq
 
 from stagefeed.common import protocol
 from stagefeed.common.schema import image_schema
-from tests import procs
 from tests.conftest import TINY, free_tcp_port, wait_for
+from tests.helpers import procs
 
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess
 
@@ -122,7 +122,7 @@ class Watch:
 def _workers_alive(started) -> int:
     try:
         parent = psutil.Process(started.proc.pid)
-        # Spawned workers, not the resource tracker (tests.procs.workers_of says why).
+        # Spawned workers, not the resource tracker (tests.helpers.procs.workers_of says why).
         return sum("--multiprocessing-fork" in c.cmdline() for c in parent.children())
     except psutil.Error:
         return 0
@@ -137,11 +137,13 @@ def _tensorflow_loading(started) -> bool:
     return any("tensorflow" in m.path for m in maps)
 
 
-# ``run`` on the tiny regression (tests/regression_models.py): the signal path is the same as
+# ``run`` on the tiny regression (tests/helpers/regression_models.py): the signal path is the same
+# as
 # with AlexNet, at a fraction of the CPU; rate-limited producers keep the queue fed.
 REGRESSION = [
-    "--schema", "tests.regression_models:SCHEMA", "--model", "tests.regression_models:linear_fn",
-    "--source", "tests.regression_models:sums", "--rate", "20",
+    "--schema", "tests.helpers.regression_models:SCHEMA", "--model",
+        "tests.helpers.regression_models:linear_fn",
+    "--source", "tests.helpers.regression_models:sums", "--rate", "20",
 ]  # fmt: skip
 
 

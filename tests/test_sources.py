@@ -60,14 +60,16 @@ def test_workers_shard_disjointly_and_completely():
     schema = Schema((ArraySpec("x", "int32"),), batch_size=2)
     seen = []
     for index in range(3):
-        stream = open_stream("tests.user_source:sharded", schema, worker(index, 3), pool_size=2)
+        stream = open_stream("tests.helpers.user_source:sharded", schema, worker(index, 3),
+            pool_size=2)
         assert isinstance(stream, IterableStream)
         seen.append([int(b["x"][0]) for b in drain(stream)])
     assert seen == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
 
 
 def test_iterable_source_yields_checked_fresh_arrays():
-    stream = open_stream("tests.user_source:batches", THREE, worker(index=3, count=4), pool_size=2)
+    stream = open_stream("tests.helpers.user_source:batches", THREE, worker(index=3, count=4),
+        pool_size=2)
     arrays, release = stream.next()
     assert release is None  # fresh arrays need no tracking
     assert list(arrays) == ["features", "token_ids", "targets"]
@@ -75,7 +77,7 @@ def test_iterable_source_yields_checked_fresh_arrays():
 
 
 def test_filling_source_writes_into_aligned_pool_buffers_reused_only_after_release():
-    stream = open_stream("tests.user_source:counting", THREE, worker(), pool_size=2)
+    stream = open_stream("tests.helpers.user_source:counting", THREE, worker(), pool_size=2)
     assert isinstance(stream, FillingStream)
     first, release_first = stream.next()
     second, release_second = stream.next()
@@ -91,40 +93,41 @@ def test_filling_source_writes_into_aligned_pool_buffers_reused_only_after_relea
 
 
 def test_filling_source_ends_when_fill_returns_false():
-    stream = open_stream("tests.user_source:counting", THREE, worker(), pool_size=2)
+    stream = open_stream("tests.helpers.user_source:counting", THREE, worker(), pool_size=2)
     assert len(drain(stream)) == 24
     assert stream.pool.free == 2
 
 
 def test_filling_source_must_not_replace_its_buffers():
-    stream = open_stream("tests.user_source:replaces_buffers", THREE, worker(), pool_size=2)
+    stream = open_stream("tests.helpers.user_source:replaces_buffers", THREE, worker(), pool_size=2)
     with pytest.raises(ConfigError, match=r"replaced features, token_ids, targets instead of"):
         stream.next()
 
 
 def test_first_batch_mismatch_names_source_batch_array_expected_and_actual():
-    stream = open_stream("tests.user_source:wrong_shape", THREE, worker(), pool_size=1)
+    stream = open_stream("tests.helpers.user_source:wrong_shape", THREE, worker(), pool_size=1)
     with pytest.raises(SchemaMismatch) as info:
         stream.next()
     assert str(info.value) == (
-        "source 'tests.user_source:wrong_shape' batch 0: "
+        "source 'tests.helpers.user_source:wrong_shape' batch 0: "
         "features is float32[1, 2, 3], expected float32[8, 32]"
     )
 
 
 def test_a_short_last_batch_is_refused_by_name_or_dropped_when_asked():
     """Issue 20 item 1: a short last batch gets its own message naming the choice."""
-    stream = open_stream("tests.user_source:short_last", THREE, worker(), pool_size=1)
+    stream = open_stream("tests.helpers.user_source:short_last", THREE, worker(), pool_size=1)
     assert len(drain(stream, limit=2)) == 2
     with pytest.raises(SchemaMismatch) as info:
         stream.next()
     assert str(info.value) == (
-        "source 'tests.user_source:short_last' batch 2 is short: 3 rows, the batch size is 8 "
+        "source 'tests.helpers.user_source:short_last' batch 2 is short: 3 rows, the batch size "
+            "is 8 "
         "(the end of data that does not divide by it?); pass --short-batch drop to drop "
         "short batches (like tf.data's drop_remainder)"
     )
     stream = open_stream(
-        "tests.user_source:short_last", THREE, worker(), pool_size=1, short_batch="drop"
+        "tests.helpers.user_source:short_last", THREE, worker(), pool_size=1, short_batch="drop"
     )
     assert len(drain(stream, limit=5)) == 2 and stream.next() is None  # the short one dropped
     assert (stream.short_dropped, stream.short_rows_dropped) == (1, 3)
@@ -132,7 +135,7 @@ def test_a_short_last_batch_is_refused_by_name_or_dropped_when_asked():
 
 def test_values_outside_bounds_are_refused_on_any_batch():
     schema = Schema((ArraySpec("ids", "int64", (2,), bounds=(0, 5)),), batch_size=2)
-    stream = open_stream("tests.user_source:sharded", schema, worker(), pool_size=1)
+    stream = open_stream("tests.helpers.user_source:sharded", schema, worker(), pool_size=1)
     assert len(drain(stream, limit=5)) == 5  # items 0..4 are inside [0, 5)
     allowed = r"batch 5: ids values span \[5, 5\], allowed \[0, 5\)"
     with pytest.raises(SchemaMismatch, match=allowed):
@@ -140,9 +143,10 @@ def test_values_outside_bounds_are_refused_on_any_batch():
 
 
 def test_a_failing_user_source_is_one_line_naming_it():
-    stream = open_stream("tests.user_source:fails", THREE, worker(), pool_size=1)
+    stream = open_stream("tests.helpers.user_source:fails", THREE, worker(), pool_size=1)
     stream.next()
-    with pytest.raises(BrokenError, match=r"source 'tests.user_source:fails' failed at batch 1: "
+    with pytest.raises(BrokenError,
+        match=r"source 'tests.helpers.user_source:fails' failed at batch 1: "
                        r"KeyError: 'no such shard'"):
         stream.next()
 
@@ -151,8 +155,8 @@ def test_a_failing_user_source_is_one_line_naming_it():
     ("ref", "match"),
     [
         ("tests.nonexistent:f", r"--source 'tests.nonexistent:f' cannot be imported"),
-        ("tests.user_source:nope", r"module 'tests.user_source' has no 'nope'"),
-        ("tests.user_source:not_callable", r"is a int, not a function"),
+        ("tests.helpers.user_source:nope", r"module 'tests.helpers.user_source' has no 'nope'"),
+        ("tests.helpers.user_source:not_callable", r"is a int, not a function"),
     ],
 )
 def test_unloadable_source_fails_naming_it(ref, match):

@@ -20,11 +20,12 @@ import pytest
 from tests.conftest import run_cli
 
 RUN = [
-    "run", "--producers", "1", "--schema", "tests.resume_models:SCHEMA",
-    "--source", "tests.resume_models:rows", "--steps", "8", "--warmup-steps", "0",
+    "run", "--producers", "1", "--schema", "tests.helpers.resume_models:SCHEMA",
+    "--source", "tests.helpers.resume_models:rows", "--steps", "8", "--warmup-steps", "0",
     "--checkpoint-every", "2", "--progress-s", "100", "--producer-timeout-s", "4",
 ]  # fmt: skip
-MODELS = {"graph": "tests.resume_models:row_counter", "keras": "tests.resume_models:keras_counter"}
+MODELS = {"graph": "tests.helpers.resume_models:row_counter",
+    "keras": "tests.helpers.resume_models:keras_counter"}
 NEWEST = "checkpoints/state-000006.json"
 TIMEOUT_S = 180
 

@@ -21,7 +21,7 @@ from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition
 from stagefeed.consumer.checkpoint_files import STATE_VERSION, read_state, write_state
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, check_save_dir
-from tests.regression_models import SCHEMA
+from tests.helpers.regression_models import SCHEMA
 
 
 def _model_format() -> ModelFormat:

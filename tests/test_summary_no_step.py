@@ -4,7 +4,7 @@ process stopped with SIGTERM before any producer came."""
 
 from __future__ import annotations
 
-from tests import procs
+from tests.helpers import procs
 
 
 def test_a_run_with_no_step_says_no_step_trained(tmp_path):

@@ -41,8 +41,8 @@ def test_the_line_comes_every_interval_of_one_wait_and_counts_from_its_start(cap
 def test_a_keras_train_with_no_producer_says_what_it_waits_for(start_cli):
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
     trainer = start_cli(
-        ["train", "--schema", "tests.regression_models:SCHEMA",
-         "--model", "tests.regression_models:build", "--bind", endpoint, "--steps", "0"],
+        ["train", "--schema", "tests.helpers.regression_models:SCHEMA",
+         "--model", "tests.helpers.regression_models:build", "--bind", endpoint, "--steps", "0"],
         name="keras",
     )  # fmt: skip
     found = wait_for(lambda: len(re.findall(LINE, trainer.output())) >= 2, 180)

@@ -148,7 +148,7 @@ def start_good_producer(
 ):
     """The good producer: the real ``stagefeed produce`` once it speaks v2, else a GoodPeer.
 
-    ``spawn`` is a ``tests.procs.Spawner``; the process is stopped by its ``kill_all``.
+    ``spawn`` is a ``tests.helpers.procs.Spawner``; the process is stopped by its ``kill_all``.
     """
     keys = ["--curve-keys", curve_keys] if curve_keys else []
     if cli_producer_speaks_v2():

@@ -9,8 +9,8 @@ from collections.abc import Generator
 import pytest
 import zmq
 
-from tests import procs
 from tests.conftest import REPO, TINY
+from tests.helpers import procs
 from tests.hostile.good_producer import start_good_producer
 from tests.hostile_input.harness import MAX_MESSAGE_MB, Target, new_peer, say_end, trained_total
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import zmq
 
-from tests import procs
+from tests.helpers import procs
 from tests.hostile import wire
 from tests.hostile.peers import Peer
 

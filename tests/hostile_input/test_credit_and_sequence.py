@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from stagefeed.common import protocol
-from tests import procs
 from tests.conftest import wait_for
+from tests.helpers import procs
 from tests.hostile import wire
 from tests.hostile.peers import Peer
 from tests.hostile_input.harness import (

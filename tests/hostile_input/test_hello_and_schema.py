@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from stagefeed.common.schema import image_schema
-from tests import procs
+from tests.helpers import procs
 from tests.hostile import wire
 from tests.hostile.peers import Peer
 from tests.hostile_input.harness import (

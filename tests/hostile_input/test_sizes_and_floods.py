@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.utils.monitor
 
-from tests import procs
+from tests.helpers import procs
 from tests.hostile import wire
 from tests.hostile.peers import RawZmtpPeer, read_reply
 from tests.hostile_input.harness import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import procs
+from tests.helpers import procs
 from tests.hostile_input.harness import RSS_BUDGET_MIB, WAIT_S
 
 pytestmark = pytest.mark.slow  # starts TensorFlow in a subprocess

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from tests import procs
 from tests.conftest import REPO, Started, cli_env, free_tcp_port, wait_for
+from tests.helpers import procs
 from tests.matrix import data
 from tests.matrix.grid import Column
 from tests.test_cluster_cli import cluster_config, distinct_ports

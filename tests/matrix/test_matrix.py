@@ -92,7 +92,7 @@ def _stop_round(run: PathRun, p: Promises, row: str, first: bool) -> None:
 
 
 def family_pids_of(proc) -> list[int]:
-    from tests import procs
+    from tests.helpers import procs
 
     try:
         return [member.pid for member in procs.family(proc)]

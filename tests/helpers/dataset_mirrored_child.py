@@ -1,7 +1,7 @@
 """Child process of test_dataset_mirrored: the TF 2 feed under MirroredStrategy on 2 logical CPUs.
 
 Logical devices must be configured before TensorFlow initialises its devices, hence a fresh
-process: ``python -m tests.dataset_mirrored_child``. Prints one ``RESULT {json}`` line.
+process: ``python -m tests.helpers.dataset_mirrored_child``. Prints one ``RESULT {json}`` line.
 """
 
 from __future__ import annotations

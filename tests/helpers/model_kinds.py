@@ -1,11 +1,11 @@
 """``--model`` callables whose kind their required-parameter count would get wrong (for
 ``tests/test_model_kinds.py``): defaults accepted, ambiguity settled by a mark, never guessed.
-Schema and batches: ``tests.regression_models``."""
+Schema and batches: ``tests.helpers.regression_models``."""
 
 from __future__ import annotations
 
 import stagefeed
-from tests import regression_models
+from tests.helpers import regression_models
 
 
 def build_default(schema=None):

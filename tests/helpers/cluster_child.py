@@ -1,6 +1,6 @@
 """Child process of the test_cluster_* tests: one trainer worker of a loopback cluster.
 
-``python -m tests.cluster_child '{json settings}'`` with ``TF_CONFIG`` set (or without, for
+``python -m tests.helpers.cluster_child '{json settings}'`` with ``TF_CONFIG`` set (or without, for
 ``"reference": true``: one process training the same steps on the workers' batches put
 together, the figures the cluster must match). Prints ``STEP n loss`` after each step and one
 ``RESULT {json}`` line at the end; a ``NonFiniteLoss`` is reported in the result (exit 4).

@@ -1,4 +1,4 @@
-"""User-supplied sources for ``--source tests.user_source:NAME`` (used by the tests).
+"""User-supplied sources for ``--source tests.helpers.user_source:NAME`` (used by the tests).
 
 They follow the source contract of ``stagefeed.producer.sources``: ``fn(schema, worker)``
 returning an iterable of ``{name: ndarray}`` dicts, or an object with ``fill(out) -> bool``.

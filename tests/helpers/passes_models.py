@@ -1,8 +1,8 @@
 """Rows counted per pass, and whether any batch was trained before a batch of an earlier pass:
 ``tests/test_passes.py`` checks that an epoch is every shard's pass (docs/resume.md, "Passes").
 
-``--schema tests.passes_models:SCHEMA --source tests.passes_models:rows --model
-tests.passes_models:pass_counter``. Shard ``i`` of ``n`` carries rows ``i, i+n, ...``; the
+``--schema tests.helpers.passes_models:SCHEMA --source tests.helpers.passes_models:rows --model
+tests.helpers.passes_models:pass_counter``. Shard ``i`` of ``n`` carries rows ``i, i+n, ...``; the
 source makes one pass per call (``passes = True``), in an order that differs by pass, and
 tags each batch with its pass (``x``). Shard 0 is slower than the others, so without passes
 the producers' passes would mix in the trainer.

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from stagefeed.common import protocol
 from stagefeed.common.schema import MAX_ARRAYS
-from tests.fuzz_strategies import (
+from tests.helpers.fuzz_strategies import (
     INTS,
     LEAVES,
     dtype_strs,

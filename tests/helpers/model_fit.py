@@ -24,7 +24,7 @@ def three_classes(schema):
 
 
 def ten_outputs(schema):
-    """A (None, 10) output for ``tests.regression_models``' scalar targets, with MSE."""
+    """A (None, 10) output for ``tests.helpers.regression_models``' scalar targets, with MSE."""
     inputs = keras.Input((3,), name="features")
     model = keras.Model(inputs, keras.layers.Dense(10)(inputs), name="ten_outputs")
     model.compile(optimizer="sgd", loss="mse")

@@ -32,7 +32,8 @@ STARTS = re.compile(
 )
 # A module whose top imports these loads TensorFlow at collection, or is about processes.
 HEAVY_MODULE = re.compile(
-    r"^(import|from) (tensorflow|keras|examples|stagefeed\.consumer|tests\.(helpers\.)?"
+    r"^(import|from) (tensorflow|keras|examples|stagefeed\.consumer|"
+    r"tests(\.helpers\.|\.helpers import |\.)"
     r"(model_fit|procs|shm_procs|peer|standin_trainer|cluster_child|dataset_mirrored_child|"
     r"regression_models|resume_models|passes_models|model_kinds|run_length_models|hostile))\b",
     re.MULTILINE,
@@ -82,8 +83,9 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[pytest.C
     fast = collector.config.getoption("fast")
     if fast and isinstance(collector, pytest.Module) and not loaded and "tensorflow" in sys.modules:
         report.outcome = "failed"
-        report.longrepr = (f"{collector.nodeid} loads TensorFlow when imported: make check leaves "
-                           "such modules out (HEAVY_MODULE in tests/fast_tests.py)")  # fmt: skip
+        report.longrepr = (f"{collector.nodeid} loads TensorFlow when imported: make check "
+                           "leaves such modules out (HEAVY_MODULE in "
+                           "tests/helpers/fast_tests.py)")  # fmt: skip
     return report
 
 
@@ -164,7 +166,8 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
     test = _running[0]
     del _running[:]  # once: the failure's own report must not trip it again
     raise NotFast(f"{test} {what}: make check runs only fast tests; mark it "
-                  "@pytest.mark.process (or name what it calls in tests/fast_tests.py STARTS)")
+                  "@pytest.mark.process (or name what it calls in tests/helpers/fast_tests.py "
+                      "STARTS)")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -13,10 +13,10 @@
 
 Child roles (real processes, real sockets):
 
-- ``python -m tests.shm_canary trainer [--early] TRAIN_ARGS...``: ``stagefeed train``; with
+- ``python -m tests.helpers.shm_canary trainer [--early] TRAIN_ARGS...``: ``stagefeed train``; with
   ``--early`` every slot is released the moment its descriptor is accepted, while TensorFlow
   still aliases it (the mistake the canary must catch).
-- ``python -m tests.shm_canary producer CONNECT [MAX_BATCHES]``: one producer process over
+- ``python -m tests.helpers.shm_canary producer CONNECT [MAX_BATCHES]``: one producer process over
   shared memory that poisons (0xEE) each slot the moment its release arrives, before the
   slot is free again; prints ``poisoned N`` when it ends (SIGTERM, or after MAX_BATCHES).
 """
@@ -118,8 +118,8 @@ def _trainer(args: list[str]) -> int:
         args = args[1:]
     from stagefeed.cli import main
 
-    return main(["train", "--schema", "tests.shm_canary:SCHEMA", "--model",
-                 "tests.shm_canary:model_fn", "--transport", "shm", *args])  # fmt: skip
+    return main(["train", "--schema", "tests.helpers.shm_canary:SCHEMA", "--model",
+                 "tests.helpers.shm_canary:model_fn", "--transport", "shm", *args])  # fmt: skip
 
 
 def _producer(connect: str, max_batches: int) -> int:
@@ -148,7 +148,7 @@ def _producer(connect: str, max_batches: int) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     options = ProducerOptions(
-        connect=connect, source="tests.shm_canary:source", transport="shm",
+        connect=connect, source="tests.helpers.shm_canary:source", transport="shm",
         max_batches=max_batches,
     )  # fmt: skip
     try:

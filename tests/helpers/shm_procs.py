@@ -1,6 +1,6 @@
 """Helpers for shared-memory tests with real processes: the canary trainer, memfds in /proc.
 
-``CanaryTrainer`` is ``python -m tests.shm_canary trainer`` (``stagefeed train`` with the
+``CanaryTrainer`` is ``python -m tests.helpers.shm_canary trainer`` (``stagefeed train`` with the
 canary schema and model, ``--transport shm``) on a loopback port, with its Prometheus
 endpoint and JSON summary, started through a ``procs.Spawner`` so teardown ends it.
 """
@@ -14,8 +14,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from tests import procs
 from tests.conftest import REPO, Started, cli_env, free_tcp_port
+from tests.helpers import procs
 
 MEMFD = "/memfd:stagefeed-"
 
@@ -42,7 +42,7 @@ def start_module(spawn: procs.Spawner, module: str, args: Sequence[str], name: s
 def produce(spawn: procs.Spawner, endpoint: str, *extra: str, name: str, env=None) -> Started:
     """``stagefeed produce`` over shared memory from the canary source (schema adopted)."""
     args = ["produce", "--connect", endpoint, "--transport", "shm"]
-    args += ["--source", "tests.shm_canary:source", *extra]
+    args += ["--source", "tests.helpers.shm_canary:source", *extra]
     started = Started(args, env=env, log_path=spawn.folder / f"{name}-{len(spawn.started)}.log")
     spawn.started.append(started)
     return started
@@ -64,7 +64,7 @@ class CanaryTrainer:
         args += ["--shm-socket", self.socket, "--json", self.json_path, "--progress-s", "1"]
         args += ["--metrics-port", str(self.metrics_port), "--metrics-bind", "127.0.0.1"]
         args += ["--metrics-producer-labels"]  # the tests follow producers by id
-        self.started = start_module(spawn, "tests.shm_canary", [*args, *extra], name)
+        self.started = start_module(spawn, "tests.helpers.shm_canary", [*args, *extra], name)
         assert procs.wait_log(self.started, r"listening on tcp://", 90), self.log()
 
     @property

@@ -1,4 +1,4 @@
-"""Transforms for ``--transform tests.data_transforms:NAME`` (the data sources' tests)."""
+"""Transforms for ``--transform tests.helpers.data_transforms:NAME`` (the data sources' tests)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A data source from the public API, as a user module names it: ``--source
-tests.data_user:train`` (a Hugging Face dataset of 30 rows, ids 0..29, batches of 4, the
-tail dropped) and ``tests.data_user:jitter`` (a transform)."""
+tests.helpers.data_user:train`` (a Hugging Face dataset of 30 rows, ids 0..29, batches of 4, the
+tail dropped) and ``tests.helpers.data_user:jitter`` (a transform)."""
 
 from __future__ import annotations
 
