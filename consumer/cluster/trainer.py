@@ -51,7 +51,7 @@ from stagefeed.consumer.cluster.shared_state import broadcast_variables, sum_ove
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
 from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations, restore_keras
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
-from stagefeed.consumer.run_end import Ending, RunEnd
+from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
 from stagefeed.consumer.run_facts import StepObserver, StepRecord
 from stagefeed.consumer.run_report import ClusterReport
 from stagefeed.consumer.trainer_base import trainer_place
@@ -59,7 +59,6 @@ from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 0.1
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -216,19 +215,22 @@ class ClusterTrainer(KerasTrainer):
         queue = self.feed.queue
         peers = PeerStop(self.cluster.index)
         line = WaitLine(self.options.wait_log_s, self.ledger.producer_count, self.endpoint)
-        while not done.wait(WATCH_S):
-            verdict = run_end.poll()
+
+        def act(verdict: Verdict) -> bool:
             if verdict.ending is not Ending.RUNNING:
                 if verdict.ending >= Ending.STOP:
                     peers.tell(verdict.reason)
                 queue.close()
-                return
+                return True
             news = peers.heard()
             if news is not None:
                 log.info("cluster: %s; this worker takes no more batches and ends with it", news)
                 queue.close()
-                return
+                return True
             line.starved(self.steps_done, queue.size())
+            return False
+
+        run_end.watch(done, act)
 
     def _after_step(self, step: int, figures: dict[str, float]) -> None:
         """(the loop's thread) book the step this worker trained, show it, checkpoint."""

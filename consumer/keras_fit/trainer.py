@@ -72,7 +72,6 @@ from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 0.1
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -351,10 +350,7 @@ class _Watch:
 
     def _run(self) -> None:
         try:
-            while not self._done.wait(WATCH_S):
-                if self._act(self.run_end.poll()):
-                    return
-                self._line.starved(self.trainer.steps_done, self._feed.queue.size())
+            self.run_end.watch(self._done, self._act)
         except Exception as exc:  # noqa: BLE001 - carried to train(), which raises it
             log.debug("fit watcher failed", exc_info=True)
             self.trainer.fail(exc)
@@ -373,7 +369,10 @@ class _Watch:
             trainer.feed.queue.close()  # the queued tail is trained, then fit ends
         # A drain goes on watching: a stop or a failure while the tail trains still ends fit
         # after the step in progress, not after the whole tail.
-        return verdict.ending in (Ending.STOP, Ending.FAIL)
+        if verdict.ending in (Ending.STOP, Ending.FAIL):
+            return True
+        self._line.starved(trainer.steps_done, self._feed.queue.size())
+        return False
 
     def close(self) -> None:
         self._done.set()
