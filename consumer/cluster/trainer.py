@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,7 +51,7 @@ from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
 from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations, restore_keras
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
 from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
-from stagefeed.consumer.run_facts import StepObserver, StepRecord
+from stagefeed.consumer.run_facts import StepClock, StepObserver, StepRecord
 from stagefeed.consumer.run_report import ClusterReport
 from stagefeed.consumer.trainer_base import trainer_place
 from stagefeed.consumer.wait_line import WaitLine
@@ -88,8 +87,7 @@ class ClusterTrainer(KerasTrainer):
         place = trainer_place(place)
         self.cluster: Cluster = make_cluster(place, join_s=options.cluster_join_s)  # first TF op
         super().__init__(options, observers, configure_server, build, place=place)
-        self._wait_s = 0.0
-        self._last_end = 0.0
+        self._clock = StepClock()
         self.cluster_totals: dict[str, int] | None = None  # after train(): every worker's books
         self._iterator: Any = None  # kept: see the class docstring
 
@@ -155,7 +153,7 @@ class ClusterTrainer(KerasTrainer):
             daemon=True,
         )  # fmt: skip
         watcher.start()
-        self._last_end = time.monotonic()
+        self._clock.restart()
         try:
             total = self.options.total_steps
             self._iterator = iter(self._dataset)
@@ -237,15 +235,11 @@ class ClusterTrainer(KerasTrainer):
         assert self.feed is not None
         books = self.feed.books
         books.step_done(1)
-        now = time.monotonic()
-        total_wait = books.figures().wait_s
-        elapsed = now - self._last_end
-        wait = min(max(total_wait - self._wait_s, 0.0), elapsed)
-        self._last_end, self._wait_s = now, total_wait
+        wait, step_s, now = self._clock.split(books.figures().wait_s)
         self.metrics_last = {k: v for k, v in figures.items() if k != "loss"}
         self._queued = self.feed.queue.size()
         record = StepRecord(
-            step, step > self.options.warmup_steps, wait, elapsed - wait,
+            step, step > self.options.warmup_steps, wait, step_s,
             figures.get("loss", float("nan")), self._queued, now,
         )  # fmt: skip
         self.book_step(record)  # NonFiniteLoss: the loss is all-reduced, the same everywhere
