@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 # After every producer process ended without their data having ended (no ``end`` seen), how
 # long the batches they sent may take to reach the queue before the run drains.
 GONE_GRACE_S = 2.0
+# How often a watcher thread looks at the verdict (``RunEnd.watch``): a stop, a failure or a
+# drain reaches a trainer waiting for data within this.
+WATCH_S = 0.1
 
 
 def finished_because(
@@ -126,6 +129,15 @@ class RunEnd:
     def verdict(self) -> Verdict:
         """The latest verdict, without looking again."""
         return self._verdict
+
+    def watch(self, done: threading.Event, act: Callable[[Verdict], bool]) -> None:
+        """The watcher threads' loop (the Keras fit watcher, a cluster worker's, ``ServedFeed``'s):
+        every ``WATCH_S`` until ``done`` is set, ``act`` on a fresh verdict; it returns True once
+        there is nothing more to watch. ``act`` also does the thread's idle work (the waiting
+        line) while the verdict lets the run go on."""
+        while not done.wait(WATCH_S):
+            if act(self.poll()):
+                return
 
     def poll(self) -> Verdict:
         """Look at every input once; the verdict, which never goes down."""

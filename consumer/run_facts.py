@@ -10,6 +10,7 @@ the books.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -27,6 +28,29 @@ class StepRecord:
     loss: float
     queue_batches: int  # batches in the FIFOQueue when the step started
     at: float  # time.monotonic() at the end of the step
+
+
+class StepClock:
+    """A step's wait and compute time from the feed's running total of time spent waiting for
+    batches (``StepBooks``' ``wait_s``): the wait since the last step's end, never more than
+    the time since then; the rest is the step. One clock for the ``fit`` and cluster
+    trainers, which read the total after each step."""
+
+    def __init__(self) -> None:
+        self._last_end = time.monotonic()
+        self._wait_s = 0.0
+
+    def restart(self) -> None:
+        """The time between steps starts now (the train loop begins)."""
+        self._last_end = time.monotonic()
+
+    def split(self, total_wait_s: float) -> tuple[float, float, float]:
+        """``(wait_s, step_s, now)`` of the step that just ended."""
+        now = time.monotonic()
+        elapsed = now - self._last_end
+        wait = min(max(total_wait_s - self._wait_s, 0.0), elapsed)
+        self._last_end, self._wait_s = now, total_wait_s
+        return wait, elapsed - wait, now
 
 
 class StepObserver(Protocol):

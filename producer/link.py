@@ -229,6 +229,11 @@ class Link:
                 self.session.handshake()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.session.disconnected(now)
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._configure is None:
+                # Without CURVE no key can be refused: the trainer closed the connection during
+                # the handshake (it is ending or restarting), and libzmq reconnects as after
+                # any lost connection. (With CURVE a wrong server key looks the same: refused.)
+                self.session.disconnected(now)
             elif event & _HANDSHAKE_FAILED:
                 # libzmq does not reconnect after a refused handshake: waiting would be silent
                 # and endless, and only a change of keys on one side can fix it.

@@ -17,7 +17,13 @@ from stagefeed import __version__, data_flags, envflags
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import Shutdown
 from stagefeed.common.logs import setup_logging
-from stagefeed.common.options import ON_NAN, TRANSPORTS, ProducerOptions, TrainerOptions
+from stagefeed.common.options import (
+    ON_NAN,
+    TRANSPORTS,
+    ObserveOptions,
+    ProducerOptions,
+    TrainerOptions,
+)
 from stagefeed.common.schema import Schema, image_schema, load_schema
 from stagefeed.producer_flags import (
     add_connect_flags,
@@ -349,10 +355,23 @@ def _produce(args: argparse.Namespace) -> int:
         shutdown.finish()
 
 
+def observe_options(args: argparse.Namespace) -> ObserveOptions:
+    """Progress, advice, TensorBoard and Prometheus settings from the trainer flags."""
+    return ObserveOptions(
+        progress_s=args.progress_s,
+        logdir=args.logdir,
+        metrics_port=args.metrics_port,
+        metrics_bind=args.metrics_bind,
+        metrics_producer_labels=args.metrics_producer_labels,
+        advice_s=args.advice_s,
+        wire_mb_s=args.wire_mb_s,
+    )
+
+
 def _train(args: argparse.Namespace) -> int:
     shutdown = Shutdown().install()
     try:
-        from stagefeed.launcher import observe_options, train
+        from stagefeed.launcher import train
 
         return train(trainer_options(args, args.bind), args.json, observe_options(args), shutdown)
     finally:
@@ -363,10 +382,19 @@ def _run(args: argparse.Namespace) -> int:
     shutdown = Shutdown().install()
     try:
         from stagefeed import loopback
-        from stagefeed.launcher import run_local
+        from stagefeed.launcher import LocalRun, run_local
 
         loopback.undeprecate(args)
-        return run_local(args, trainer_options, producer_options, shutdown)
+
+        def flags(transport: str) -> argparse.Namespace:  # with the transport run decided
+            return argparse.Namespace(**{**vars(args), "transport": transport})
+
+        return run_local(LocalRun(
+            lambda transport, bind: trainer_options(flags(transport), bind),
+            lambda transport, to: producer_options(flags(transport), to, args.producers),
+            observe_options(args), args.producers, args.transport, args.bind, args.shm_socket,
+            args.json,
+        ), shutdown)  # fmt: skip
     finally:
         shutdown.finish()
 

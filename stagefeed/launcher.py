@@ -10,7 +10,7 @@ closes everything whatever happened, then the summary is written.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -94,19 +94,6 @@ def _server_configurator(options: TrainerOptions) -> Callable[[Any], None] | Non
     from stagefeed.common.curve import server_configurator
 
     return server_configurator(options.curve_keys)
-
-
-def observe_options(args: argparse.Namespace) -> ObserveOptions:
-    """Progress, advice, TensorBoard and Prometheus settings from the trainer flags."""
-    return ObserveOptions(
-        progress_s=args.progress_s,
-        logdir=args.logdir,
-        metrics_port=args.metrics_port,
-        metrics_bind=args.metrics_bind,
-        metrics_producer_labels=args.metrics_producer_labels,
-        advice_s=args.advice_s,
-        wire_mb_s=args.wire_mb_s,
-    )
 
 
 def _start(monitor: Monitor, trainer: TrainerBase, shutdown: Shutdown) -> bool:
@@ -227,25 +214,35 @@ def train(
     return code
 
 
-def run_local(
-    args: argparse.Namespace,
-    trainer_options: Callable[[argparse.Namespace, str], TrainerOptions],
-    producer_options: Callable[[argparse.Namespace, str, int], ProducerOptions],
-    shutdown: Shutdown | None = None,
-) -> int:
-    """The main job: a trainer and ``--producers`` producer processes on loopback."""
+@dataclasses.dataclass(frozen=True)
+class LocalRun:
+    """What ``run_local`` is given: the options the command line made, as two builders of the
+    transport ``run`` decides on its host (``loopback.plan``), since the trainer's bind and the
+    producers' endpoint follow from it. ``trainer_options(transport, bind)`` and
+    ``producer_options(transport, endpoint)`` raise ``ConfigError`` for a bad flag."""
+
+    trainer_options: Callable[[str, str], TrainerOptions]
+    producer_options: Callable[[str, str], ProducerOptions]
+    observe: ObserveOptions
+    producers: int
+    transport: str  # as asked: auto, zmq or shm
+    bind: str | None
+    shm_socket: str | None
+    json_path: str | None
+
+
+def run_local(run: LocalRun, shutdown: Shutdown | None = None) -> int:
+    """The main job: a trainer and ``run.producers`` producer processes on loopback."""
     shutdown = shutdown or Shutdown().install()
     # Every flag checked first (ZeroMQ on a provisional address), then --transport decided.
-    provisional = argparse.Namespace(**{**vars(args), "transport": "zmq"})
-    checked = trainer_options(provisional, "tcp://127.0.0.1:*")
-    observe = observe_options(args)
-    _check_outputs(args.json, observe.logdir, checked)  # --save resumable, before the plan
-    loop = loopback.plan(args.transport, args.bind, checked, args.producers, args.shm_socket)
-    args.transport = loop.transport  # what the trainer and the producers are started with
-    options = trainer_options(args, loop.bind)
+    checked = run.trainer_options("zmq", "tcp://127.0.0.1:*")
+    observe = run.observe
+    _check_outputs(run.json_path, observe.logdir, checked)  # --save resumable, before the plan
+    loop = loopback.plan(run.transport, run.bind, checked, run.producers, run.shm_socket)
+    options = run.trainer_options(loop.transport, loop.bind)
     private_ipc = loopback.ipc_path()  # run's own socket file: removed whatever happens
     # Validate the producers' options before anything starts (endpoint filled in below).
-    _check_client_keys(producer_options(args, "tcp://127.0.0.1:1", args.producers))
+    _check_client_keys(run.producer_options(loop.transport, "tcp://127.0.0.1:1"))
     sweep_leftovers()  # what killed runs left in the temp directory under run's own names
     if loop.asked == "auto":  # after every check: a refused start says one line only
         log.info("--transport auto: %s (%s)", loop.chosen, loop.reason)
@@ -264,9 +261,9 @@ def run_local(
     try:
         if _start(monitor, trainer, shutdown) and not shutdown.stop.is_set():
             pool = Producers(
-                producer_options(args, trainer.endpoint, args.producers), logging.getLogger().level
+                run.producer_options(loop.transport, trainer.endpoint), logging.getLogger().level
             ).start()
-            log.info("%d producers -> %s", args.producers, trainer.endpoint)
+            log.info("%d producers -> %s", run.producers, trainer.endpoint)
             # Workers that said end (a finished or failed source) leave the end of the data to
             # the trainer, which trains what they delivered first; a failure is reported after.
             check = pool.health_check(ClosedError, ends_grace_s=options.producer_timeout_s)
@@ -284,7 +281,9 @@ def run_local(
             failure = exc
         if failure is None:
             failure = BrokenError(f"producer processes failed: {', '.join(pool.failures())}")
-    code = _finish(trainer, started, shutdown, args.json, monitor.final, failure, loop.summary())
+    code = _finish(
+        trainer, started, shutdown, run.json_path, monitor.final, failure, loop.summary()
+    )
     sys.stdout.flush()
     exit_if_threads_left(code, shutdown.grace(LEFTOVER_THREADS_S))
     return code

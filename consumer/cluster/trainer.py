@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,15 +50,14 @@ from stagefeed.consumer.cluster.shared_state import broadcast_variables, sum_ove
 from stagefeed.consumer.cluster.strategy import Cluster, make_cluster
 from stagefeed.consumer.keras_fit.resume_fit import keras_format, restore_iterations, restore_keras
 from stagefeed.consumer.keras_fit.trainer import KerasTrainer
-from stagefeed.consumer.run_end import Ending, RunEnd
-from stagefeed.consumer.run_facts import StepObserver, StepRecord
+from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
+from stagefeed.consumer.run_facts import StepClock, StepObserver, StepRecord
 from stagefeed.consumer.run_report import ClusterReport
 from stagefeed.consumer.trainer_base import trainer_place
 from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 0.1
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -89,8 +87,7 @@ class ClusterTrainer(KerasTrainer):
         place = trainer_place(place)
         self.cluster: Cluster = make_cluster(place, join_s=options.cluster_join_s)  # first TF op
         super().__init__(options, observers, configure_server, build, place=place)
-        self._wait_s = 0.0
-        self._last_end = 0.0
+        self._clock = StepClock()
         self.cluster_totals: dict[str, int] | None = None  # after train(): every worker's books
         self._iterator: Any = None  # kept: see the class docstring
 
@@ -156,7 +153,7 @@ class ClusterTrainer(KerasTrainer):
             daemon=True,
         )  # fmt: skip
         watcher.start()
-        self._last_end = time.monotonic()
+        self._clock.restart()
         try:
             total = self.options.total_steps
             self._iterator = iter(self._dataset)
@@ -216,34 +213,33 @@ class ClusterTrainer(KerasTrainer):
         queue = self.feed.queue
         peers = PeerStop(self.cluster.index)
         line = WaitLine(self.options.wait_log_s, self.ledger.producer_count, self.endpoint)
-        while not done.wait(WATCH_S):
-            verdict = run_end.poll()
+
+        def act(verdict: Verdict) -> bool:
             if verdict.ending is not Ending.RUNNING:
                 if verdict.ending >= Ending.STOP:
                     peers.tell(verdict.reason)
                 queue.close()
-                return
+                return True
             news = peers.heard()
             if news is not None:
                 log.info("cluster: %s; this worker takes no more batches and ends with it", news)
                 queue.close()
-                return
+                return True
             line.starved(self.steps_done, queue.size())
+            return False
+
+        run_end.watch(done, act)
 
     def _after_step(self, step: int, figures: dict[str, float]) -> None:
         """(the loop's thread) book the step this worker trained, show it, checkpoint."""
         assert self.feed is not None
         books = self.feed.books
         books.step_done(1)
-        now = time.monotonic()
-        total_wait = books.figures().wait_s
-        elapsed = now - self._last_end
-        wait = min(max(total_wait - self._wait_s, 0.0), elapsed)
-        self._last_end, self._wait_s = now, total_wait
+        wait, step_s, now = self._clock.split(books.figures().wait_s)
         self.metrics_last = {k: v for k, v in figures.items() if k != "loss"}
         self._queued = self.feed.queue.size()
         record = StepRecord(
-            step, step > self.options.warmup_steps, wait, elapsed - wait,
+            step, step > self.options.warmup_steps, wait, step_s,
             figures.get("loss", float("nan")), self._queued, now,
         )  # fmt: skip
         self.book_step(record)  # NonFiniteLoss: the loss is all-reduced, the same everywhere

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,14 +64,13 @@ from stagefeed.consumer.keras_fit.resume_fit import (
     restore_iterations,
 )
 from stagefeed.consumer.run_end import Ending, RunEnd, Verdict
-from stagefeed.consumer.run_facts import StepObserver, StepRecord
+from stagefeed.consumer.run_facts import StepClock, StepObserver, StepRecord
 from stagefeed.consumer.tf2.served_feed import ServedFeed
 from stagefeed.consumer.trainer_base import TrainerBase
 from stagefeed.consumer.wait_line import WaitLine
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 0.1
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -296,20 +294,17 @@ class _Steps(keras.callbacks.Callback):
         super().__init__()
         self.trainer = trainer
         self.books = books  # runs first: its figures of the step are read here
-        self._last_end = 0.0
-        self._wait_s = 0.0
+        self._clock = StepClock()
         self._queued = 0
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._last_end = time.monotonic()
+        self._clock.restart()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         trainer = self.trainer
-        now = time.monotonic()
         figures = self.books.step_figures
         assert figures is not None
-        elapsed = now - self._last_end
-        wait = min(max(figures.wait_s - self._wait_s, 0.0), elapsed)
+        wait, step_s, now = self._clock.split(figures.wait_s)
         step = trainer.step_base + figures.steps
         loss = (logs or {}).get("loss")
         trainer.metrics_last = {
@@ -320,10 +315,10 @@ class _Steps(keras.callbacks.Callback):
             and isinstance(value, (int, float, np.floating, np.integer))
         }
         record = StepRecord(
-            step, step > trainer.options.warmup_steps, wait, elapsed - wait,
+            step, step > trainer.options.warmup_steps, wait, step_s,
             math.nan if loss is None else float(loss), self._queued, now,
         )  # fmt: skip
-        self._last_end, self._wait_s, self._queued = now, figures.wait_s, figures.in_queue
+        self._queued = figures.in_queue
         trainer.after_step(record, figures.in_queue)
 
 
@@ -351,10 +346,7 @@ class _Watch:
 
     def _run(self) -> None:
         try:
-            while not self._done.wait(WATCH_S):
-                if self._act(self.run_end.poll()):
-                    return
-                self._line.starved(self.trainer.steps_done, self._feed.queue.size())
+            self.run_end.watch(self._done, self._act)
         except Exception as exc:  # noqa: BLE001 - carried to train(), which raises it
             log.debug("fit watcher failed", exc_info=True)
             self.trainer.fail(exc)
@@ -373,7 +365,10 @@ class _Watch:
             trainer.feed.queue.close()  # the queued tail is trained, then fit ends
         # A drain goes on watching: a stop or a failure while the tail trains still ends fit
         # after the step in progress, not after the whole tail.
-        return verdict.ending in (Ending.STOP, Ending.FAIL)
+        if verdict.ending in (Ending.STOP, Ending.FAIL):
+            return True
+        self._line.starved(trainer.steps_done, self._feed.queue.size())
+        return False
 
     def close(self) -> None:
         self._done.set()

@@ -59,7 +59,7 @@ from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.books.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
 from stagefeed.consumer.memory import malloc_policy
-from stagefeed.consumer.run_end import Ending, RunEnd, finished_because
+from stagefeed.consumer.run_end import WATCH_S, Ending, RunEnd, Verdict, finished_because
 from stagefeed.consumer.tf2 import pipeline
 from stagefeed.consumer.tf2.feed import Feed
 from stagefeed.consumer.tf2.feed_signals import SigintWake
@@ -69,7 +69,6 @@ from stagefeed.consumer.wait_line import WaitLine
 log = logging.getLogger(__name__)
 
 END_GRACE_S = 1.0  # how long the data must stay ended before the dataset ends
-WATCH_S = 0.1
 JOIN_TIMEOUT_S = 3.0
 
 
@@ -260,16 +259,19 @@ class ServedFeed(Feed):
         # While nothing arrives and the queue is empty, the user's program waits for data: say
         # so every wait_log_s, as the CLI's trainers do (a feed with no producer is not silent).
         line = WaitLine(self.options.wait_log_s, self.ledger.producer_count, self.endpoint)
-        while not self._stop.wait(WATCH_S):
+
+        def act(verdict: Verdict) -> bool:
             line.starved(self.ledger.totals().received, self.queue.size())
-            verdict = self.run_end.poll()
             if verdict.ending is Ending.DRAIN:
                 log.info("%s: the dataset ends once the queue is drained", verdict.reason)
             elif verdict.ending is Ending.FAIL:
                 log.error("the feed failed (check() raises it): %s", verdict.reason)
-            if verdict.ending is not Ending.RUNNING:
-                self.queue.close()  # queued batches stay; the dataset ends after them
-                return
+            if verdict.ending is Ending.RUNNING:
+                return False
+            self.queue.close()  # queued batches stay; the dataset ends after them
+            return True
+
+        self.run_end.watch(self._stop, act)
 
     def close(self) -> None:
         if self._served_closed:
