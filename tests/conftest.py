@@ -118,9 +118,8 @@ class Started:
 
 @pytest.fixture
 def spawn(tmp_path) -> Iterator:
-    """A ``tests.helpers.procs.Spawner`` logging to the test's folder; every group it started is
-    ended
-    at teardown (a module may define its own ``spawn``)."""
+    """A ``tests.helpers.procs.Spawner`` logging to the test's folder; every group it started
+    is ended at teardown (a module may define its own ``spawn``)."""
     from tests.helpers import procs  # it imports this module
 
     spawner = procs.Spawner(tmp_path)

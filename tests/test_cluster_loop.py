@@ -88,8 +88,8 @@ def workers(tmp_path) -> Iterator:
 
 def reference(settings: dict) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.cluster_child", json.dumps({**settings,
-            "reference": True})],
+        [sys.executable, "-m", "tests.helpers.cluster_child",
+         json.dumps({**settings, "reference": True})],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=cli_env(), cwd=REPO,
         check=False,
     )  # fmt: skip

@@ -166,8 +166,8 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
     test = _running[0]
     del _running[:]  # once: the failure's own report must not trip it again
     raise NotFast(f"{test} {what}: make check runs only fast tests; mark it "
-                  "@pytest.mark.process (or name what it calls in tests/helpers/fast_tests.py "
-                      "STARTS)")
+                  "@pytest.mark.process (or name what it calls in "
+                  "tests/helpers/fast_tests.py STARTS)")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,11 +1,11 @@
 """A tiny regression for the CLI tests: ``--schema tests.helpers.regression_models:SCHEMA``.
 
-Batches of 4 float32 feature rows and their targets (the row sums). Sources for
-``--source tests.helpers.regression_models:NAME``; models for ``--model
-tests.helpers.regression_models:NAME``:
-a graph ``linear_fn`` and a Keras ``build`` (and Keras builds that break the convention).
-``nan_from_third`` sends NaN targets from its third batch on, so with one producer and one
-enqueue thread (batches trained in order) the loss is first non-finite at step 3.
+Batches of 4 float32 feature rows and their targets (the row sums). Sources for ``--source
+tests.helpers.regression_models:NAME``; models for ``--model
+tests.helpers.regression_models:NAME``: a graph ``linear_fn`` and a Keras ``build`` (and Keras
+builds that break the convention). ``nan_from_third`` sends NaN targets from its third batch
+on, so with one producer and one enqueue thread (batches trained in order) the loss is first
+non-finite at step 3.
 """
 
 from __future__ import annotations

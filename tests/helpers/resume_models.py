@@ -1,9 +1,8 @@
 """A model whose only state counts how often each row was trained, and a finite, sharded,
 seekable source of those rows: ``tests/test_resume.py`` kills runs and checks every count.
 
-``--schema tests.helpers.resume_models:SCHEMA --source tests.helpers.resume_models:rows``; graph
-mode
-``--model tests.helpers.resume_models:row_counter``, Keras ``--model
+``--schema tests.helpers.resume_models:SCHEMA --source tests.helpers.resume_models:rows``;
+graph mode ``--model tests.helpers.resume_models:row_counter``, Keras ``--model
 tests.helpers.resume_models:keras_counter``.
 ``ROWS`` rows, ``BATCH`` to a batch, ``EPOCHS`` passes: shard ``i`` of ``n`` carries rows
 ``i, i+n, ...``, and its stream is its batches, pass after pass (batch ``k`` of the stream is

@@ -2,14 +2,13 @@
 decided by what was planned and trained (``tests/test_run_length_passes.py``).
 
 ``--schema tests.helpers.run_length_models:SCHEMA --source
-tests.helpers.run_length_models:slow_rows``: shard
-``i`` of ``n`` carries rows ``i, i+n, ...``, one pass per call (``passes = True``, seekable),
-``PER_PASS`` batches a pass over all shards, each batch after a sleep of 0.02-0.15 s (producers
-slower than the trainer: the data's end reaches the trainer after its last step).
-``fast_rows``: the same rows without the sleep. Graph mode ``--model
-tests.helpers.run_length_models:row_counter``, Keras ``--model
-tests.helpers.run_length_models:keras_counter``:
-``row_counts[ROWS]`` += the rows of every trained batch; after E passes every count is E.
+tests.helpers.run_length_models:slow_rows``: shard ``i`` of ``n`` carries rows ``i, i+n, ...``,
+one pass per call (``passes = True``, seekable), ``PER_PASS`` batches a pass over all shards,
+each batch after a sleep of 0.02-0.15 s (producers slower than the trainer: the data's end
+reaches the trainer after its last step). ``fast_rows``: the same rows without the sleep.
+Graph mode ``--model tests.helpers.run_length_models:row_counter``, Keras ``--model
+tests.helpers.run_length_models:keras_counter``: ``row_counts[ROWS]`` += the rows of every
+trained batch; after E passes every count is E.
 """
 
 from __future__ import annotations
