@@ -87,7 +87,7 @@ def build(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 # ---- reading what was rendered ----------------------------------------------------------------
 
-K8S_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 
 
 def find(resources: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
