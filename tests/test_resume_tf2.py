@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import stagefeed
 from stagefeed import InputPosition, ServedFeed, TrainerOptions
-from tests.conftest import free_tcp_port
+from tests.conftest import free_tcp_port, wait_for
 from tests.helpers.procs import log_text
 from tests.helpers.resume_models import EPOCHS, ROWS, SCHEMA, stream
 
@@ -68,6 +68,10 @@ def test_a_custom_loop_saves_its_position_and_a_resumed_feed_trains_every_batch_
     with ServedFeed(_options(), positions=True) as feed:
         producer = _producer(spawn, feed, "producer")
         assert _train(feed, counts, FIRST_STEPS) == FIRST_STEPS
+        # The save must leave batches queued and untrained (what makes the position's
+        # exactness matter): wait for them rather than assume the producer is ahead (on a
+        # loaded machine the loop kept up with it and the queue was empty).
+        assert wait_for(lambda: feed.figures().queued > 0, TIMEOUT_S), feed.figures()
         # The user's checkpoint: the weights first, then the position read after them.
         np.save(tmp_path / "counts.npy", counts.numpy())
         with open(tmp_path / "position.json", "w") as f:
