@@ -101,6 +101,7 @@ class FeedCallback(keras.callbacks.Callback):
         if self._passes and self.feed.passes_ended(self.step_figures.trained):
             self._cut = True
             self.stops.cut_epoch("every shard's pass is trained")
+        self.feed.raise_owed_interrupt()  # a Ctrl-C during the step, booked: fit ends here
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         figures = self.feed.books.figures()

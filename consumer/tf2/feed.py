@@ -143,6 +143,10 @@ class Feed:
         batches completed since the last call."""
         return 0
 
+    def raise_owed_interrupt(self) -> None:
+        """(``FeedCallback``, after each step) a Ctrl-C this feed deferred is raised now
+        (``ServedFeed``); a plain feed takes no signal."""
+
     def cast(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         """The schema's cast/scale, for a step to call on its device (``cast="step"``)."""
         return cast_arrays(self.schema, batch)

@@ -180,6 +180,11 @@ class ServedFeed(Feed):
             self.gate.cut = True
         return True
 
+    def raise_owed_interrupt(self) -> None:
+        """``KeyboardInterrupt`` now if a Ctrl-C came while the main thread was in
+        TensorFlow's code (``feed_signals``): ``fit``'s callbacks run between its steps."""
+        self._sigint.raise_owed()
+
     def passes_ended(self, trained: int) -> int:
         """Passes the first ``trained`` batches completed since the last call (logged). Waits
         until that is known, when nothing after them is queued yet: the pass's end (its
