@@ -140,16 +140,18 @@ def _tensorflow_loading(started) -> bool:
 # ``run`` on the tiny regression (tests/helpers/regression_models.py): the signal path is the same
 # as
 # with AlexNet, at a fraction of the CPU; rate-limited producers keep the queue fed.
-REGRESSION = [
-    "--schema", "tests.helpers.regression_models:SCHEMA", "--model",
-        "tests.helpers.regression_models:linear_fn",
-    "--source", "tests.helpers.regression_models:sums", "--rate", "20",
-]  # fmt: skip
+REGRESSION_SCHEMA = ["--schema", "tests.helpers.regression_models:SCHEMA"]
+REGRESSION_SOURCE = ["--source", "tests.helpers.regression_models:sums", "--rate", "20"]
 
 
-def _run(spawn):
+def _model(name: str) -> list[str]:
+    return ["--model", f"tests.helpers.regression_models:{name}"]
+
+
+def _run(spawn, model: str = "linear_fn"):
+    flags = [*REGRESSION_SCHEMA, *_model(model), *REGRESSION_SOURCE]
     started = spawn(
-        ["run", *REGRESSION, "--transport", "ipc", "--producers", "2", "--steps", "0"]
+        ["run", *flags, "--transport", "ipc", "--producers", "2", "--steps", "0"]
         + ["--queue-mb", "1", "--progress-s", "1"],
         name="run",
     )
@@ -234,20 +236,38 @@ def test_run_signalled_repeatedly_while_training(spawn):
     watch.check_ended(summary=True)
 
 
-# The later signals follow the first closely, so that they surely land while the command is
-# still stopping (a tiny trainer stops in well under a second): they make the shutdown urgent.
+# The later signals follow the first closely, while the step in progress still runs: every step
+# of ``slow_linear_fn`` sleeps 2 s, so they land while the command is stopping at any load (with
+# a fast step, a loaded machine once let ``train`` end before the second signal came). They
+# make the shutdown urgent.
 AGAIN = [signal.SIGTERM, signal.SIGINT, signal.SIGTERM]
 AGAIN_GAP_S = 0.05
 
 
 def test_run_signalled_again_while_it_stops(spawn):
-    started, socket_file = _run(spawn)
+    started, socket_file = _run(spawn, model="slow_linear_fn")
     assert procs.wait_log(started, r"step \d+", STARTUP_S), procs.log_text(started)
     procs.workers_of(started, 2)
     watch = Watch(started, [socket_file])
     watch.send(AGAIN, gap_s=AGAIN_GAP_S)
     log = watch.check_ended(summary=True)
     assert "SIGTERM received: stopping" in log
+    assert "received while stopping: shutting down without grace periods" in log
+
+
+def test_train_signalled_again_while_it_stops(spawn, tmp_path):
+    socket_file = str(tmp_path / "trainer.sock")
+    address = f"ipc://{socket_file}"
+    spawn(["produce", "--connect", address, *REGRESSION_SCHEMA, *REGRESSION_SOURCE], name="produce")
+    started = spawn(
+        ["train", "--bind", address, *REGRESSION_SCHEMA, *_model("slow_linear_fn"), "--steps", "0"]
+        + ["--progress-s", "1"],
+        name="train",
+    )
+    assert procs.wait_log(started, r"step \d+", STARTUP_S), procs.log_text(started)
+    watch = Watch(started, [socket_file])
+    watch.send(AGAIN, gap_s=AGAIN_GAP_S)
+    log = watch.check_ended(summary=True)
     assert "received while stopping: shutting down without grace periods" in log
 
 
@@ -265,15 +285,6 @@ def test_train_signalled_repeatedly_while_training(spawn, ipc_producer):
     watch = Watch(started, [ipc_producer])
     watch.send(BURST)
     watch.check_ended(summary=True)
-
-
-def test_train_signalled_again_while_it_stops(spawn, ipc_producer):
-    started = _train(spawn, ipc_producer)
-    assert procs.wait_log(started, r"step \d+", STARTUP_S), procs.log_text(started)
-    watch = Watch(started, [ipc_producer])
-    watch.send(AGAIN, gap_s=AGAIN_GAP_S)
-    log = watch.check_ended(summary=True)
-    assert "received while stopping: shutting down without grace periods" in log
 
 
 def test_produce_signalled_repeatedly_while_its_workers_start(spawn):

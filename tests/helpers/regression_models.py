@@ -3,7 +3,8 @@
 Batches of 4 float32 feature rows and their targets (the row sums). Sources for ``--source
 tests.helpers.regression_models:NAME``; models for ``--model
 tests.helpers.regression_models:NAME``: a graph ``linear_fn`` and a Keras ``build`` (and Keras
-builds that break the convention). ``nan_from_third`` sends NaN targets from its third batch
+builds that break the convention); ``slow_linear_fn`` is a graph step that takes
+``STEP_SLEEP_S`` at least. ``nan_from_third`` sends NaN targets from its third batch
 on, so with one producer and one enqueue thread (batches trained in order) the loss is first
 non-finite at step 3.
 """
@@ -51,6 +52,28 @@ def linear_fn(staged, schema):
     predicted = tf.squeeze(staged["features"] @ w, 1)
     loss = tf.reduce_mean(tf.square(predicted - staged["targets"]))
     return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+STEP_SLEEP_S = 2.0
+
+
+def slow_linear_fn(staged, schema):
+    """``linear_fn`` whose every step also sleeps ``STEP_SLEEP_S``: a step in progress when a
+    stop signal comes lasts that long at least, whatever the machine's load, so signals sent
+    just after the first surely land while the command is still stopping."""
+    import tensorflow as tf
+
+    loss, train_op = linear_fn(staged, schema)
+
+    def _sleep(value):
+        import time
+
+        time.sleep(STEP_SLEEP_S)
+        return value
+
+    slept = tf.numpy_function(_sleep, [loss], tf.float32, stateful=True)
+    with tf.control_dependencies([slept]):
+        return tf.identity(loss), tf.group(train_op, slept)
 
 
 def _keras_model(name: str = "features", shape=(3,), dtype: str = "float32", compiled=True):
