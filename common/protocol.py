@@ -15,6 +15,7 @@ producer:
   ``confirm`` (true; only with ``shard``): this producer can stay after its ``end`` until a
   checkpoint holds all of its shard (``saved``), so that a trainer killed before that gets
   the tail again from it (docs/resume.md).
+  ``ack_end`` (true): this producer waits, before it closes, for the trainer's ``ended``.
 - ``batch``  ``{"seq": int, "arrays": [[name, dtype.str, shape], ...]}``, then one raw frame
   per array, C order, in the header's order. Sent only against credit (see below).
 - ``shm_batch`` ``{"seq": int, "desc": {"pool", "slot", "gen", "seq"}}``: a batch committed in
@@ -62,6 +63,12 @@ From the trainer:
 - ``dropped`` ``{"seq": int, "reason": str, "detail": str}``: a batch was refused, and why.
 - ``release`` ``{"pool": str, "slot": int, "gen": int}``: TensorFlow is done with that slot
   generation of the producer's pool; it may be written again.
+- ``ended`` ``{"seq": int}``: (a hello that said ``ack_end``) the trainer has read this
+  connection's ``end {seq}``, so it has read every batch before it too. Only then does the
+  producer close: a TCP connection closed while data the peer sent is still unread there is
+  reset, and a reset discards what the closing side's kernel had not yet delivered: the last
+  batches and the ``end`` of a producer whose trainer reads slowly. A trainer older than this
+  refuses a hello with ``ack_end`` (``header_fields``): upgrade trainers first.
 - ``bye``     ``{}``: the trainer is closing. ``finished`` (true; only to a connection welcomed
   with ``confirm``): its run is finished (its final checkpoint says so), so no trainer will
   resume it: a producer waiting for ``saved`` has nothing to wait for.
@@ -103,7 +110,7 @@ MAX_DETAIL_LEN = 300
 MAX_PRODUCER_NAME = 64
 FROM_PRODUCER = frozenset(["hello", "batch", "shm_batch", "end", "ping", "end_pass", "leaving"])
 FROM_TRAINER = frozenset(
-    ["welcome", "refused", "credit", "dropped", "release", "bye", "next_pass", "saved"]
+    ["welcome", "refused", "credit", "dropped", "release", "bye", "next_pass", "saved", "ended"]
 )
 # Why a producer said ``end`` (its bye): values are stable, they label a metric.
 END_OK = "ok"
@@ -127,13 +134,14 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "release": {"pool": (str,), "slot": (int,), "gen": (int,)},
     "bye": {},
     "saved": {"seq": (int,)},
+    "ended": {"seq": (int,)},
 }
 # Optional keys of a kind, in groups: each group all or none (v2 stays strict: nothing else
 # is accepted).
 _OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
     "hello": ({"shm": (bool,)}, {"session": (str,)},
               {"shard": (int,), "shards": (int,), "seek": (bool,)}, {"passes": (bool,)},
-              {"confirm": (bool,)}),
+              {"confirm": (bool,)}, {"ack_end": (bool,)}),
     "end": ({"reason": (str,), "detail": (str,)},),
     "welcome": ({"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},
                 {"start": (int,), "skip": (list,)},

@@ -64,6 +64,7 @@ from stagefeed.producer.handoff import (
     Drained,
     Dropped,
     EndPass,
+    EndRead,
     EventQueue,
     Failed,
     Finish,
@@ -157,6 +158,9 @@ class TrainerChannel:
         self.trainer_pass = 0  # the pass the trainer is in (``NextPass``)
         self.confirms = False  # the trainer will say ``saved`` (its welcome said ``confirm``)
         self.saved: int | None = None  # the end of the stream a complete checkpoint holds
+        # After ``finish``: the trainer read our ``end`` (True), or said ``bye`` (False).
+        self.end_read: bool | None = None
+        self._end_seq: int | None = None  # the ``end {seq}`` that ``finish`` sends
         self._accepted = 0
         self._sent = 0
         self._released = 0
@@ -329,6 +333,7 @@ class TrainerChannel:
     def begin_finish(self, count: int, deadline: float, reason: str, detail: str) -> None:
         """``finish`` without waiting: ``drained`` is set once it is done."""
         self._require_open()
+        self._end_seq = count
         self._command(Finish(count, deadline, reason, detail))
 
     def trainers(self) -> dict[str, dict[str, int]]:
@@ -338,10 +343,14 @@ class TrainerChannel:
 
     def close(self, linger_s: float = 0.0) -> None:
         """Stop the thread; ``linger_s`` > 0 lets ZeroMQ deliver for up to that long (this
-        call then blocks in ``Context.term``), 0 discards. Idempotent; never raises the
-        channel's failure (the calls before it did)."""
+        call then blocks in ``Context.term``), 0 discards. After an ``end`` that went, the
+        linger first waits for the trainer's ``ended`` (``protocol``: a connection closed before
+        the trainer read our tail can lose it). Idempotent; never raises the channel's failure
+        (the calls before it did)."""
         if self._closed:
             return
+        if linger_s > 0:
+            self._wait_end_read(time.monotonic() + linger_s)
         self._closed = True
         stuck: list[str] = []
         if self._thread.is_alive():
@@ -354,6 +363,23 @@ class TrainerChannel:
             os.close(self._wake_read)
             os.close(self._wake_write)
             self._ctx.term()  # returns once the socket's linger is over
+
+    def _wait_end_read(self, deadline: float) -> None:
+        """Until the trainer read our ``end`` (``ended``), said ``bye``, or ``deadline``."""
+        if self.drained is None or not self.drained.end_sent:
+            return
+        while self.end_read is None and self._thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("producer %s: the trainer at %s did not say it read our end within "
+                            "the linger: the last batches may not have reached it",
+                            self.name, self.endpoint)  # fmt: skip
+                return
+            try:
+                event = self._events.get(timeout=min(POLL_S, left))
+            except queue.Empty:
+                continue
+            self._handle(event, reraise=False)
 
     def __enter__(self) -> TrainerChannel:
         return self
@@ -436,6 +462,12 @@ class TrainerChannel:
             self.saved, self.confirms = event.seq, True
         elif isinstance(event, Drained):
             self.drained = event
+        elif isinstance(event, EndRead) and self.drained is not None:
+            # Events come in order: only a ``bye`` after our ``end`` went says it is not read.
+            if event.seq is not None and event.seq == self._end_seq:
+                self.end_read = True
+            elif event.seq is None and self.end_read is None:
+                self.end_read = False
         elif isinstance(event, Failed):
             self._failure = event.error
             if reraise:

@@ -166,6 +166,14 @@ class Drained:
 
 
 @dataclasses.dataclass(frozen=True)
+class EndRead:
+    """The trainer's ``ended {seq}``: it read this producer's ``end`` (and every batch before
+    it), so closing loses nothing. None: none will come (the trainer said ``bye``)."""
+
+    seq: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Failed:
     """The channel thread ended with ``error``; the owner re-raises it."""
 

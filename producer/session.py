@@ -46,6 +46,7 @@ from stagefeed.common.throttle import LogThrottle
 from stagefeed.producer.handoff import (
     Credit,
     Dropped,
+    EndRead,
     Lost,
     NextPass,
     Repositioned,
@@ -158,7 +159,7 @@ class Session:
         declared = self.schema.to_dict() if self.schema is not None else None
         shm = {"shm": True} if self.shm else {}
         return {"name": self.name, "schema": declared, "session": self._token, **shm,
-                **self._hello_fields}  # fmt: skip
+                "ack_end": True, **self._hello_fields}  # fmt: skip
 
     def hello_sent(self, now: float) -> None:
         self.hello_due = False
@@ -201,8 +202,11 @@ class Session:
             if self._confirming:
                 self._post(Saved(header["seq"]))
                 self.leaving_due = True  # the trainer may be closing: it waits for this
+        elif kind == "ended":
+            self._post(EndRead(header["seq"]))
         elif kind == "bye":
             self.credit = 0
+            self._post(EndRead(None))  # a trainer closing reads no ``end`` any more
             if header.get("finished") is True and self._confirming:
                 log.info("trainer at %s finished its run: no trainer will resume it, so "
                          "nothing is waited for", self.endpoint)  # fmt: skip

@@ -223,3 +223,29 @@ def test_a_normal_end_is_the_plain_end_every_trainer_knows():
         assert Running(options_for(trainer, schema=SMALL, max_batches=2)).join() == 2
         assert wait_for(lambda: trainer.byes, 5)
     assert trainer.byes == [{"v": 2, "t": "end", "seq": 2}]  # no reason: ok (common/protocol.py)
+
+
+# 1 MiB a batch: eight of them fill the kernel's socket buffers of a trainer that reads slowly.
+MIB_BATCH = Schema((ArraySpec("x", "float32", (2**16,)), ArraySpec("y", "int32")), batch_size=4)
+
+
+def test_a_trainer_reading_slowly_gets_the_last_batches_and_the_end():
+    """The producer closes only once the trainer said ``ended``. Before, it closed as soon as
+    ZeroMQ had written the tail into the kernel; the trainer's later ``credit``, unread, made
+    that close a TCP reset, which discarded the tail still in the kernel: here the stand-in got
+    2 of 8 batches and no ``end`` while the producer logged "finished: 8 batches"."""
+    with StandInTrainer(MIB_BATCH, credit=8, regrant=True, read_delay_s=0.2, rcvhwm=1) as trainer:
+        assert Running(options_for(trainer, schema=MIB_BATCH, max_batches=8)).join(60) == 8
+        # Running returned: the producer closed its socket; everything must still arrive.
+        assert wait_for(lambda: trainer.ends, 20), trainer.seqs()
+    assert trainer.seqs() == list(range(8))
+    assert [seq for _, seq in trainer.ends] == [8]
+
+
+def test_a_trainer_that_never_says_ended_costs_the_linger_and_a_warning(caplog, monkeypatch):
+    monkeypatch.setattr("stagefeed.producer.worker.FLUSH_TIMEOUT_S", 2.0)
+    with StandInTrainer(SMALL, credit=8, ack_end=False) as trainer:
+        assert Running(options_for(trainer, schema=SMALL, max_batches=2)).join() == 2
+        assert wait_for(lambda: trainer.ends, 5)
+    assert trainer.hellos[0][1]["ack_end"] is True
+    assert lines(caplog, "did not say it read our end within the linger")

@@ -42,6 +42,7 @@ class Connection:
     claim: tuple[int, int, bool] | None = None
     session: str | None = None  # its producer run's secret token (consumer/books/ledger.py)
     confirm: bool = False  # welcomed with ``confirm``: told ``saved`` once its shard is saved
+    ack_end: bool = False  # its hello said ``ack_end``: told ``ended`` once its ``end`` is read
 
 
 class Connections:

@@ -163,6 +163,8 @@ class Dispatch:
             # end at once must not stop a trainer that no producer has reached yet.
             if self._ledger.delivered(conn.index):
                 self._delivered_and_ended = True
+            if conn.ack_end:  # it may close now: everything it sent before ``end`` was read
+                self.reply(router, routing_id, "ended", seq=header["seq"])
         elif kind == "end_pass":
             self.shards.end_pass(conn, header)
         elif kind == "leaving":
@@ -201,6 +203,7 @@ class Dispatch:
                 return
             conn = self.conns.add(routing_id, index, name)
         self.conns.seen(conn)
+        conn.ack_end = header.get("ack_end") is True
         if shard is not None or passing is not None:
             self.shards.bind(conn, header, session)
         if isinstance(passing, int):

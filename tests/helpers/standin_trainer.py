@@ -52,6 +52,7 @@ class StandInTrainer:
     real trainer re-grants as it consumes). ``drop``: seq -> reason, answered with ``dropped``.
     ``refuse``: (reason, detail) answered to every hello. ``rcvhwm``: the ROUTER's receive
     high-water mark. ``inspect(seq, arrays)``: what to keep of each batch (default: nothing).
+    ``ack_end``: answer an ``end`` with ``ended`` when the hello asked for it (``ack_end``).
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class StandInTrainer:
         rcvhwm: int = 1000,
         inspect: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
         read_delay_s: float = 0.0,
+        ack_end: bool = True,
     ) -> None:
         self.schema = schema
         self.endpoint = endpoint or f"tcp://127.0.0.1:{free_tcp_port()}"
@@ -76,6 +78,8 @@ class StandInTrainer:
         self.rcvhwm = rcvhwm
         self.inspect = inspect or (lambda seq, arrays: None)
         self.read_delay_s = read_delay_s
+        self.ack_end = ack_end
+        self._acks: set[bytes] = set()  # connections whose hello said ``ack_end``
         self.hellos: list[tuple[bytes, dict[str, Any]]] = []
         self.received: list[Received] = []
         self.pings: list[tuple[bytes, float]] = []
@@ -173,6 +177,8 @@ class StandInTrainer:
         kind = header["t"]
         if kind == "hello":
             self.hellos.append((identity, header))
+            if header.get("ack_end") is True:
+                self._acks.add(identity)
             declared = protocol.schema_of_hello(header)
             if self.refuse is not None:
                 self._send(sock, identity, "refused", reason=self.refuse[0], detail=self.refuse[1])
@@ -198,6 +204,8 @@ class StandInTrainer:
         elif kind == "end":
             self.byes.append(header)
             self.ends.append((identity, header["seq"]))
+            if self.ack_end and identity in self._acks:
+                self._send(sock, identity, "ended", seq=header["seq"])
 
     def _batch(self, sock, identity, header, frames) -> None:
         seq = header["seq"]
