@@ -70,6 +70,7 @@ class Loopback:
             schema=schema,
             enqueue_threads=config.enqueue_threads,
             queue_mb=config.queue_capacity * schema.batch_bytes / MIB,
+            queue_batches=config.queue_capacity,
             stage_depth=stage_depth,
             device="gpu" if is_gpu(device) else "cpu",
             transport=self.trainer_transport,

@@ -167,6 +167,7 @@ def measure_stagefeed(
         steps=0,  # until the clock says done
         warmup_steps=0,  # the clock decides which steps are timed
         queue_mb=(capacity * schema.batch_bytes + 1) / 2**20,
+        queue_batches=capacity,
         stage_depth=STAGE_DEPTH,
         device=device,
         transport="shm" if shared else "zmq",

@@ -30,6 +30,10 @@ MIB = 2**20
 SHORT_BATCH = ("refuse", "drop")  # what a producer does with a source's short batch
 ON_NAN = ("stop", "warn")  # what a non-finite loss does: stop training (exit 4), or warn
 MAX_UNSENT = 64  # batches a producer holds at most, however small: credit bounds sends anyway
+# The FIFOQueue's depth when ``queue_batches`` is not given: a deeper queue of small batches
+# only makes producers work ahead for batches the run may never train (a 1.2 MiB batch made a
+# 2 GiB queue of 1736 batches, and ``run --steps 10`` received 886 of them to train 12).
+AUTO_QUEUE_BATCHES = 64
 
 
 def check_endpoint(field: str, value: str) -> None:
@@ -250,6 +254,9 @@ class TrainerOptions:
     steps: int = 100  # timed steps; 0 = until stopped
     warmup_steps: int = 2  # trained before the timed steps, not timed
     queue_mb: float = 2048.0
+    # The FIFOQueue's depth in batches (within ``queue_mb``); 0: ``AUTO_QUEUE_BATCHES``, and
+    # no deeper than a run of planned steps trains (``queue_capacity``).
+    queue_batches: int = 0
     stage_depth: int = 2
     device: str = "auto"
     max_message_mb: float = 0.0  # 0 = one batch plus 1 MiB
@@ -302,6 +309,7 @@ class TrainerOptions:
         check_non_negative_int("steps", self.steps)
         check_non_negative_int("warmup_steps", self.warmup_steps)
         check_number("queue_mb", self.queue_mb)
+        check_non_negative_int("queue_batches", self.queue_batches)
         check_number("max_message_mb", self.max_message_mb, zero_ok=True)
         check_number("wait_log_s", self.wait_log_s)
         check_stage_depth(self.stage_depth)
@@ -361,8 +369,14 @@ class TrainerOptions:
 
     @property
     def queue_capacity(self) -> int:
-        """FIFOQueue capacity in batches, derived from the byte budget."""
-        return max(1, int(self.queue_mb * MIB) // self.schema.batch_bytes)
+        """FIFOQueue capacity in batches: ``queue_batches``, or when that is 0
+        ``AUTO_QUEUE_BATCHES`` and at most the planned steps (a run whose length its passes
+        decide plans none); never more than ``queue_mb`` holds."""
+        held = int(self.queue_mb * MIB) // self.schema.batch_bytes
+        wanted = self.queue_batches or AUTO_QUEUE_BATCHES
+        if not self.queue_batches and self.total_steps and not self.length_by_passes:
+            wanted = min(wanted, self.total_steps)
+        return max(1, min(held, wanted))
 
     def held_bytes_bound(self, connections: int) -> int:
         """The class docstring's bound on batch bytes the trainer holds, with ``connections``

@@ -131,6 +131,11 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
         help="exit 5 (after the summary) when the data ends before the planned steps/epochs",
     )  # fmt: skip
     envflags.add(g, "--queue-mb", type=float, default=2048.0, help="FIFOQueue budget in MiB")
+    envflags.add(
+        g, "--queue-batches", type=int, default=0,
+        help="FIFOQueue depth in batches, within --queue-mb (0: 64, and no more than the "
+        "planned steps)",
+    )  # fmt: skip
     envflags.add(g, "--stage-depth", type=int, default=2, help="batches staged on the device")
     envflags.add(g, "--device", default="auto", choices=("auto", "cpu", "gpu"), help="train on")
     envflags.add(g, "--max-message-mb", type=float, default=0.0, help="0: one batch + 1 MiB")
@@ -248,6 +253,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         steps=_steps(args),
         warmup_steps=args.warmup_steps,
         queue_mb=args.queue_mb,
+        queue_batches=args.queue_batches,
         stage_depth=args.stage_depth,
         device=args.device,
         max_message_mb=args.max_message_mb,

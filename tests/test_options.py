@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import ProducerOptions, TrainerOptions
+from stagefeed.common.options import AUTO_QUEUE_BATCHES, ProducerOptions, TrainerOptions
 from stagefeed.common.schema import image_schema
 from tests.conftest import cli_env, run_cli
 
@@ -72,6 +72,19 @@ def test_byte_budgets_derive_message_counts():
     small = image_schema(batch_size=256, dtype="uint8")
     assert TrainerOptions(schema=small, queue_mb=2048).queue_capacity == 54
     assert TrainerOptions(schema=spec).max_message_bytes == spec.batch_bytes + 2**20
+
+
+def test_the_queue_is_as_deep_as_the_run_can_use():
+    tiny = image_schema(batch_size=2)  # 1.2 MiB: 2048 MiB would hold 1736 of them
+    assert TrainerOptions(schema=tiny, steps=0).queue_capacity == AUTO_QUEUE_BATCHES
+    assert TrainerOptions(schema=tiny, steps=3).queue_capacity == 5  # 2 warm-up + 3 planned
+    assert TrainerOptions(schema=tiny, epochs=2, steps_per_epoch=10).queue_capacity == 20
+    # A run whose length its passes decide plans no steps: the cap alone.
+    assert TrainerOptions(schema=tiny, steps=3, length_by_passes=True).queue_capacity == 64
+    assert TrainerOptions(schema=tiny, steps=3, queue_batches=500).queue_capacity == 500
+    assert TrainerOptions(schema=tiny, queue_batches=5000).queue_capacity == 1736  # queue_mb
+    assert TrainerOptions(schema=image_schema(), steps=0).queue_capacity == 13  # queue_mb
+
 
 # ---- every float option refuses NaN and the infinities ---------------------------------------
 

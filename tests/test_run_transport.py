@@ -47,7 +47,9 @@ def test_a_socket_path_too_long_for_shared_memory_makes_auto_choose_tcp(tmp_path
 def test_pools_larger_than_the_free_memory_rule_shared_memory_out():
     """Sizing only: nothing is allocated. 4096 slots (the most a pool has) of 1 GiB batches."""
     huge = Schema((ArraySpec("x", "float32", (2**28,)),), 1)
-    options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=huge, queue_mb=10**7)
+    options = TrainerOptions(
+        bind="tcp://127.0.0.1:*", schema=huge, queue_mb=10**7, queue_batches=10**4
+    )
     ruled_out, reason = loopback.shm_ruled_out(options, producers=2, bind=None)
     assert ruled_out, reason
     assert reason.startswith("2 pool(s) of 4096.0 GiB would need 8192.0 GiB, "), reason
