@@ -9,6 +9,12 @@ TEST_WORKERS ?= 2
 CHECK_WORKERS ?= 0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stagefeed-installed
+# scikit-learn (examples/digits.py, pyproject's "examples" extra) lives beside the venv, not in
+# it: Keras imports scikit-learn, and SciPy with it, whenever they are installed, about a second
+# of CPU in each of the suite's hundreds of TensorFlow processes. tests/test_digits_example.py
+# puts this folder on PYTHONPATH. Its dependencies are named since numpy must stay the venv's.
+EXAMPLES_DIR := $(VENV)/examples-packages
+EXAMPLES_PACKAGES := 'scikit-learn>=1.3' scipy joblib threadpoolctl narwhals cloudpickle
 
 .PHONY: run test check lint layers typecheck venv bench clean
 # The type checker on the public API ([tool.mypy] in pyproject.toml): mypy reads the package
@@ -20,6 +26,8 @@ $(STAMP): pyproject.toml tests/k8s-renderer.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[$(TF_EXTRA),dev]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
 		--ignore-requires-python --require-hashes -r tests/k8s-renderer.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
+		--target $(EXAMPLES_DIR) $(EXAMPLES_PACKAGES)
 	touch $(STAMP)
 
 venv: $(STAMP)
