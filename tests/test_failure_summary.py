@@ -27,7 +27,7 @@ def test_the_last_lines_name_each_failed_test_and_its_first_assertion(tmp_path):
     (tmp_path / "test_failing.py").write_text(FAILING)
     # Without CI's variables: there pytest prints whole messages in its short summary (so the
     # lines below are last but one section); the hook matters where it cuts them.
-    env = {k: v for k, v in cli_env().items() if k not in ("CI", "BUILD_NUMBER")}
+    env = {k: v for k, v in cli_env().items() if k not in ("CI", "BUILD_NUMBER", "PYTEST_ADDOPTS")}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, check=False,
