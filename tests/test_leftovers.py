@@ -24,9 +24,16 @@ import pytest
 from tests.conftest import Started, cli_env, run_cli
 from tests.helpers.procs import log_text, wait_log
 
-QUICK = ["run", "--producers", "1", "--batch-size", "2", "--steps", "1", "--warmup-steps", "0",
+# The tiny regression (tests/helpers/regression_models.py): what a run leaves, and its --save,
+# do not depend on the model, and AlexNet's --save writes some 60 million weights a run.
+REGRESSION = [
+    "--schema", "tests.helpers.regression_models:SCHEMA",
+    "--model", "tests.helpers.regression_models:linear_fn",
+    "--source", "tests.helpers.regression_models:sums",
+]  # fmt: skip
+QUICK = ["run", *REGRESSION, "--producers", "1", "--steps", "1", "--warmup-steps", "0",
          "--progress-s", "100"]  # fmt: skip
-KILLED = ["run", "--producers", "1", "--batch-size", "2", "--steps", "0", "--rate", "5",
+KILLED = ["run", *REGRESSION, "--producers", "1", "--steps", "0", "--rate", "5",
           "--progress-s", "100"]  # fmt: skip
 TIMEOUT_S = 180
 
