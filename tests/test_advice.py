@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -33,6 +34,32 @@ def test_input_bound_counts_the_producers_missing() -> None:
     assert result.kind == advice.INPUT_BOUND
     assert "75% of step time waiting" in result.text
     assert result.text.endswith("about 3 more producers needed")
+
+
+def test_input_bound_on_a_saturated_host_sends_the_producers_elsewhere() -> None:
+    # 3 more producers needed (as above), on a host whose 2 cores were 97% busy: not here.
+    f = window(seconds=10, steps=20, wait_s=6.0, step_s=2.0, per_producer={"a": 20, "b": 20})
+    result = advise(dataclasses.replace(f, host_cores=2, host_busy_pct=97.0))
+    assert result.kind == advice.INPUT_BOUND
+    assert result.text.endswith(
+        "about 3 more producers needed, on other hosts: this host's 2 cores are 97% busy, so "
+        "producers here would only slow the others"
+    ), result.text
+
+
+def test_input_bound_asks_for_no_more_producers_here_than_idle_cores() -> None:
+    f = window(seconds=10, steps=20, wait_s=6.0, step_s=2.0, per_producer={"a": 20, "b": 20})
+    room_for_one = advise(dataclasses.replace(f, host_cores=4, host_busy_pct=70.0))
+    assert room_for_one.text.endswith(
+        "about 3 more producers needed; this host's 4 cores are 70% busy: about 1 here, the "
+        "rest on other hosts"
+    ), room_for_one.text
+    none = advise(dataclasses.replace(f, host_cores=1, host_busy_pct=60.0))
+    assert none.text.endswith("this host's 1 core is 60% busy: none here, the rest on other hosts")
+    # Enough idle cores, or their use unknown: the count alone, as before.
+    for host in [{"host_cores": 16, "host_busy_pct": 10.0}, {"host_cores": 2}]:
+        plain = advise(dataclasses.replace(f, **host))
+        assert plain.text.endswith("about 3 more producers needed"), plain.text
 
 
 def test_input_bound_without_deliveries_says_so() -> None:

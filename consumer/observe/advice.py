@@ -7,6 +7,9 @@ Rules, in order (thresholds are the constants below; docs/observability.md expla
    - ``wire-bound`` if the received rate is near the link (>= ``WIRE_NEAR`` x ``wire_mb_s``) or
      the step would need more than the link carries; float32 images: "switch --dtype uint8".
    - otherwise ``input-bound``: producers needed = ceil(consumed / delivered per producer).
+     Where the host's core use in the window is known (``Figures.host_busy_pct``), the advice
+     says where they fit, a producer keeping about one core busy: on other hosts when its
+     cores are ``HOST_SATURATED_PCT`` % busy, else as many here as its idle cores allow.
 3. Queue full in >= ``COMPUTE_BOUND_FULL_PCT`` % of the steps, or still filling (producers
    deliver >= ``GROWING`` x what the steps take): ``compute-bound``; producers can be reduced to
    ceil(``HEADROOM`` x consumed / one producer's unthrottled rate) when that rate was observed.
@@ -29,6 +32,7 @@ COMPUTE_BOUND_FULL_PCT = 50.0
 GROWING = 1.1
 HEADROOM = 1.25
 WIRE_NEAR = 0.8
+HOST_SATURATED_PCT = 90.0
 
 INPUT_BOUND = "input-bound"
 WIRE_BOUND = "wire-bound"
@@ -95,7 +99,23 @@ def _starved(f: Figures, wire_mb_s: float) -> tuple[str, str]:
     return INPUT_BOUND, (
         f"{INPUT_BOUND}: {head}; producers deliver {f.deliver_per_s:.1f} batches/s, the step "
         f"consumes {f.consume_per_s:.1f}: about {more} more {_plural(more, 'producer')} needed"
+        + _where_they_fit(f, more)
     )
+
+
+def _where_they_fit(f: Figures, more: int) -> str:
+    """Where ``more`` producers can run, by the host's cores (nothing when unknown)."""
+    if f.host_cores < 1 or math.isnan(f.host_busy_pct):
+        return ""
+    cores = f"{f.host_cores} {_plural(f.host_cores, 'core')} {'is' if f.host_cores == 1 else 'are'}"
+    busy = f"this host's {cores} {f.host_busy_pct:.0f}% busy"
+    if f.host_busy_pct >= HOST_SATURATED_PCT:
+        return f", on other hosts: {busy}, so producers here would only slow the others"
+    room = int(f.host_cores * (100.0 - f.host_busy_pct) / 100.0)  # idle cores, whole
+    if room < more:
+        here = f"about {room} here" if room else "none here"
+        return f"; {busy}: {here}, the rest on other hosts"
+    return ""
 
 
 def _queue_growing(f: Figures) -> bool:

@@ -21,6 +21,7 @@ import time
 
 from stagefeed.common.options import MIB
 from stagefeed.consumer.books.ledger import LedgerSnapshot
+from stagefeed.consumer.observe.host_cpu import CpuTimes, busy_pct, host_cores, read_cpu_times
 from stagefeed.consumer.run_facts import RunFacts, RunReader, StepRecord
 
 
@@ -71,6 +72,7 @@ class Snapshot:
     steps: StepTotals
     queue_batches: int  # FIFOQueue fill now (lower bound, see ``Trainer.queue_batches``)
     books: LedgerSnapshot = LedgerSnapshot()
+    cpu: CpuTimes | None = None  # the host's core time so far (None: unknown)
 
 
 def take_snapshot(counters: StepCounters, reader: RunReader) -> Snapshot:
@@ -82,12 +84,18 @@ def take_snapshot(counters: StepCounters, reader: RunReader) -> Snapshot:
         # finish before the train loop counted the dequeue.
         queue_batches=min(reader.queue_batches(), counters.queue_capacity),
         books=reader.books(),
+        cpu=read_cpu_times(),
     )
 
 
 def empty_snapshot(at: float | None = None) -> Snapshot:
     """The state before anything happened: the baseline of the first window."""
-    return Snapshot(at=time.monotonic() if at is None else at, steps=StepTotals(), queue_batches=0)
+    return Snapshot(
+        at=time.monotonic() if at is None else at,
+        steps=StepTotals(),
+        queue_batches=0,
+        cpu=read_cpu_times(),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +135,8 @@ class Figures:
     # Best batches/s one producer was seen to deliver while not held back by a full queue
     # (NaN: never observed). Filled in by the caller that tracks it across windows.
     producer_capacity_per_s: float = math.nan
+    host_cores: int = 0  # the cores of the trainer's host (0: unknown)
+    host_busy_pct: float = math.nan  # the share of their time spent working in the window
 
     @property
     def queue_mb(self) -> float:
@@ -182,4 +192,6 @@ def figures_between(a: Snapshot, b: Snapshot, facts: RunFacts) -> Figures:
         dropped=dropped,
         seq_missing=now.totals.seq_missing - was.totals.seq_missing,
         loss=b.steps.loss,
+        host_cores=host_cores(),
+        host_busy_pct=busy_pct(a.cpu, b.cpu),
     )
