@@ -30,7 +30,9 @@ producer:
   ``MAX_DETAIL_LEN`` characters. A trainer books any other reason as ``other``
   (``end_reason``). Compatibility, both ways: a trainer from before reasons drops an ``end``
   that carries one (``header_fields``), which is what it saw of a failed producer then (no
-  ``end`` at all); a normal end is the same message as ever.
+  ``end`` at all); a normal end is the same message as ever. ``bad``, ``bad_first``
+  (together): the producer's source skipped ``bad`` bad records in this stream
+  (``--on-bad-record skip``), the first of them named in one line.
 - ``ping``   ``{}``: still here (sent while idle, so the trainer keeps its credit).
 - ``end_pass`` ``{"seq": int, "pass": int}``: (a hello that said ``passes``) pass ``pass`` of
   this shard ended: its batches are ``..seq-1``, the next pass starts at ``seq``. Sent after
@@ -142,7 +144,7 @@ _OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
     "hello": ({"shm": (bool,)}, {"session": (str,)},
               {"shard": (int,), "shards": (int,), "seek": (bool,)}, {"passes": (bool,)},
               {"confirm": (bool,)}, {"ack_end": (bool,)}),
-    "end": ({"reason": (str,), "detail": (str,)},),
+    "end": ({"reason": (str,), "detail": (str,)}, {"bad": (int,), "bad_first": (str,)}),
     "welcome": ({"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},
                 {"start": (int,), "skip": (list,)},
                 {"pass": (int,), "pass_start": (int,), "pass_count": (int,)},
@@ -164,6 +166,7 @@ _INT_RANGE = {
     "pass": (0, 2**31),
     "pass_start": (0, 2**63),
     "pass_count": (1, 2**31),
+    "bad": (1, 2**63),
 }
 
 
@@ -347,6 +350,11 @@ def end_reason(header: Mapping[str, Any]) -> tuple[str, str]:
     not in ``END_REASONS``; the detail sanitised (``one_line``)."""
     reason = header.get("reason", END_OK)
     return (reason if reason in END_REASONS else END_OTHER), one_line(header.get("detail", ""))
+
+
+def end_bad(header: Mapping[str, Any]) -> tuple[int, str]:
+    """``(bad records skipped, the first named)`` of a decoded ``end``; ``(0, "")`` without."""
+    return header.get("bad", 0), one_line(header.get("bad_first", ""))
 
 
 def shard_of_hello(header: Mapping[str, Any]) -> tuple[int, int, bool] | None:

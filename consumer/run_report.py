@@ -53,4 +53,6 @@ class RunReport:
     connections: Mapping[str, int]
     producers: Mapping[str, Mapping[str, Any]]
     producer_count: int  # every producer the trainer saw
+    # Records the producers' sources skipped (--on-bad-record skip), the first ones named.
+    bad_records: tuple[int, tuple[str, ...]] = (0, ())
     cluster: ClusterReport | None = None

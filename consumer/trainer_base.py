@@ -193,6 +193,7 @@ class TrainerBase:
             connections=ledger.peer_events(),
             producers=ledger.summary(),
             producer_count=ledger.producer_count(),
+            bad_records=ledger.bad_records(),
             cluster=self.cluster_report(),
         )
 

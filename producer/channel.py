@@ -300,16 +300,18 @@ class TrainerChannel:
         return dict(self._refused)
 
     def finish(
-        self, count: int, stop: Any, timeout_s: float, reason: str = "ok", detail: str = ""
+        self, count: int, stop: Any, timeout_s: float, reason: str = "ok", detail: str = "",
+        bad: tuple[int, str] = (0, ""),
     ) -> Drained:
         """Send what is held against credit, then ``end {seq: count}``, for up to ``timeout_s``.
 
         ``reason`` (``protocol.END_*``) and ``detail`` tell the trainer why this producer
-        leaves (``source_error`` and the error's text; ``ok`` sends the plain ``end``).
+        leaves (``source_error`` and the error's text; ``ok`` sends the plain ``end``);
+        ``bad``: the records its source skipped, and the first one named (``protocol``).
         Returns how many batches could not be sent (``end`` goes only if none is left).
         Afterwards ``close(linger_s)`` lets ZeroMQ deliver what it holds.
         """
-        self.begin_finish(count, time.monotonic() + timeout_s, reason, detail)
+        self.begin_finish(count, time.monotonic() + timeout_s, reason, detail, bad)
         while self.drained is None:
             self._wait(stop)
         return self.drained
@@ -330,11 +332,14 @@ class TrainerChannel:
             self._wait(stop)
         return self.saved == end
 
-    def begin_finish(self, count: int, deadline: float, reason: str, detail: str) -> None:
+    def begin_finish(
+        self, count: int, deadline: float, reason: str, detail: str,
+        bad: tuple[int, str] = (0, ""),
+    ) -> None:  # fmt: skip
         """``finish`` without waiting: ``drained`` is set once it is done."""
         self._require_open()
         self._end_seq = count
-        self._command(Finish(count, deadline, reason, detail))
+        self._command(Finish(count, deadline, reason, detail, bad))
 
     def trainers(self) -> dict[str, dict[str, int]]:
         """``{endpoint: {"sent": batches given to ZeroMQ, "lost": connections lost}}``."""

@@ -71,7 +71,8 @@ class Channel(Protocol):
     def trainers(self) -> dict[str, dict[str, int]]: ...
 
     def finish(
-        self, count: int, stop: Any, timeout_s: float, reason: str = "ok", detail: str = ""
+        self, count: int, stop: Any, timeout_s: float, reason: str = "ok", detail: str = "",
+        bad: tuple[int, str] = (0, ""),
     ) -> Drained: ...
 
     def close(self, linger_s: float = 0.0) -> None: ...

@@ -181,7 +181,8 @@ class Fanout:
         return {e: n for c in self.channels for e, n in c.trainers().items()}
 
     def finish(
-        self, count: int, stop: Any, timeout_s: float, reason: str = "ok", detail: str = ""
+        self, count: int, stop: Any, timeout_s: float, reason: str = "ok", detail: str = "",
+        bad: tuple[int, str] = (0, ""),
     ) -> Drained:
         """Place what was handed back, then ``end`` on every welcomed channel (with its own
         count), for up to ``timeout_s`` in all. ``count`` is the producer's total."""
@@ -193,7 +194,9 @@ class Fanout:
         unsent = self._give_up_returned()
         ending = [i for i, admitted in enumerate(self._admitted) if admitted]
         for index in ending:
-            self.channels[index].begin_finish(self._next_seq[index], deadline, reason, detail)
+            self.channels[index].begin_finish(
+                self._next_seq[index], deadline, reason, detail, bad
+            )
         while any(self.channels[i].drained is None for i in ending):
             self._wait(stop)
             unsent += self._give_up_returned()  # handed back before the channel had Finish

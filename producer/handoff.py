@@ -63,6 +63,7 @@ class Finish:
     deadline: float
     reason: str = "ok"
     detail: str = ""
+    bad: tuple[int, str] = (0, "")  # records the source skipped, and the first one named
 
 
 @dataclasses.dataclass(frozen=True)

@@ -412,7 +412,9 @@ class Link:
 
 def _end_fields(finish: Finish) -> dict[str, object]:
     """The ``end`` message's fields: a normal end is the ``end`` every trainer understands."""
+    bad, first = finish.bad
+    skipped = {"bad": bad, "bad_first": protocol.one_line(first)} if bad else {}
     if finish.reason == protocol.END_OK:
-        return {"seq": finish.count}
+        return {"seq": finish.count, **skipped}
     detail = protocol.one_line(finish.detail)
-    return {"seq": finish.count, "reason": finish.reason, "detail": detail}
+    return {"seq": finish.count, "reason": finish.reason, "detail": detail, **skipped}

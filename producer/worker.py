@@ -231,8 +231,10 @@ def _produce_once(
             rewound = True
             raise
         try:
-            note = getattr(factory, "report", lambda: "")()  # a data source's skipped records
-            outcome.bye = _finish(channel, name, outcome, stop, failure, note)
+            # A data source's skipped records: in our last line, and told to the trainer.
+            note = getattr(factory, "report", lambda: "")()
+            bad = getattr(factory, "skipped", lambda: (0, ""))()
+            outcome.bye = _finish(channel, name, outcome, stop, failure, note, bad)
             finished = True
             if failure is None and channel.repositioned is not None:
                 # A trainer that came back while we finished: what it lost is sent again.
@@ -269,6 +271,7 @@ def _finish(
     stop: Any,
     failure: ConfigError | BrokenError | None = None,
     note: str = "",
+    bad: tuple[int, str] = (0, ""),
 ) -> str | None:
     """Deliver what is held, then ``end`` (with ``source_error`` and the text of ``failure``
     if the source failed), then let ZeroMQ deliver for what is left of ``FLUSH_TIMEOUT_S``.
@@ -278,7 +281,9 @@ def _finish(
     started = time.monotonic()
     reason = protocol.END_OK if failure is None else protocol.END_SOURCE_ERROR
     # ``end {seq}``: where the stream ends (a resumed shard's first batches were not sent here)
-    drained = channel.finish(outcome.next_seq, stop, FLUSH_TIMEOUT_S, reason, str(failure or ""))
+    drained = channel.finish(
+        outcome.next_seq, stop, FLUSH_TIMEOUT_S, reason, str(failure or ""), bad
+    )
     linger_s = max(0.0, FLUSH_TIMEOUT_S - (time.monotonic() - started))
     refused = sum(channel.refused().values())
     log.log(

@@ -72,6 +72,29 @@ def test_produce_skips_a_corrupt_jpeg_counts_it_and_names_it_in_its_last_line(tm
     assert len(finished) == 1, done.stderr[-4000:]
     assert "1 bad records skipped (--on-bad-record skip), the first: " in finished[0]
     assert f"{tmp_path}/dog/broken.jpg (record 8): not a decodable JPEG" in finished[0]
+    # The trainer is told too, in the ``end`` (common/protocol.py): the count, the first named.
+    [end] = trainer.byes
+    assert end["bad"] == 1, end
+    assert end["bad_first"].startswith(f"{tmp_path}/dog/broken.jpg (record 8): not a decodable")
+
+
+@pytest.mark.slow
+def test_run_skipping_a_corrupt_jpeg_counts_and_names_it_in_the_trainers_summary(tmp_path):
+    make_images(tmp_path / "pets", per_class=6, bad="broken.jpg")  # 13 images: 3 batches of 4
+    done = run_cli([
+        "run", "--producers", "1", "--source", f"images:{tmp_path / 'pets'}",
+        "--model", "tests.helpers.image_models:tiny", "--batch-size", "4", "--short-batch", "drop",
+        "--on-bad-record", "skip", "--warmup-steps", "0", "--progress-s", "100",
+        "--json", str(tmp_path / "run.json"),
+    ], timeout=180)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    bad = json.loads((tmp_path / "run.json").read_text())["bad_records"]
+    assert bad["skipped"] == 1, bad
+    [first] = bad["first"]  # "<producer>: <file> (record N): why"
+    assert f"{tmp_path}/pets/dog/broken.jpg (record " in first, first
+    assert "not a decodable JPEG" in first, first
+    assert "  bad records skipped by the producers: 1 (--on-bad-record skip), the first: " \
+        in done.stdout, done.stdout  # fmt: skip
 
 
 def test_produce_ends_in_one_line_naming_a_corrupt_jpeg_under_fail(tmp_path):

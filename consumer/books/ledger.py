@@ -42,6 +42,7 @@ MAX_REFUSED_NAMES = 256
 # refused and does not move its window (one connection delivers in order; this is forged).
 MAX_SEQ_AHEAD = 1 << 16
 MAX_LEFT = 16  # producers that left for a reason other than ``ok``, kept for the summary
+MAX_BAD_SHOWN = 3  # bad records named in the summary (the first each producer skipped)
 
 
 @dataclasses.dataclass
@@ -104,6 +105,8 @@ class Ledger:
         self._peer_events: collections.Counter[str] = collections.Counter()
         self._ended: collections.Counter[str] = collections.Counter()  # connections, by reason
         self._left: collections.deque[dict] = collections.deque(maxlen=MAX_LEFT)
+        self._bad = 0  # records the producers' sources skipped, as their ``end``s said
+        self._bad_shown: list[str] = []
 
     def open(
         self, label: str, session: str | None = None, shard: int | None = None
@@ -196,10 +199,14 @@ class Ledger:
                 return
         log.warning("refused producer %s (%s, %d so far): %s", name, reason, total, detail)
 
-    def ended(self, index: int, count: int, reason: str = "ok", detail: str = "") -> None:
+    def ended(
+        self, index: int, count: int, reason: str = "ok", detail: str = "",
+        bad: tuple[int, str] = (0, ""),
+    ) -> None:  # fmt: skip
         """Book entry ``index``'s ``end`` (``count`` batches sent) and why it left: ``reason``
         (``protocol.END_*``) and ``detail`` (one sanitised line) of its first ``end``, counted
-        once per connection. Logged at each first ``end``; repeats throttled (no flood)."""
+        once per connection, with the records its source skipped (``bad``: how many, the first
+        named). Logged at each first ``end``; repeats throttled (no flood)."""
         with self._lock:
             stats = self._entries[index]
             stats.ended_after = count
@@ -207,6 +214,9 @@ class Ledger:
             if first:
                 stats.end_reason, stats.end_detail = reason, detail
                 self._ended[reason] += 1
+                self._bad += bad[0]
+                if bad[0] and len(self._bad_shown) < MAX_BAD_SHOWN:
+                    self._bad_shown.append(f"{stats.key}: {bad[1]}")
                 if reason != "ok":
                     self._left.append({"producer": stats.key, "reason": reason,
                                        "detail": detail, "ended_after": count})  # fmt: skip
@@ -217,6 +227,11 @@ class Ledger:
             (reason, logging.INFO) if reason == "ok" else (f"{reason}: {detail}", logging.WARNING)
         )
         log.log(level, "producer %s: end of data after %d batches (%s)", stats.key, count, why)
+
+    def bad_records(self) -> tuple[int, tuple[str, ...]]:
+        """Records the producers' sources skipped, and the first ones named (their ``end``s)."""
+        with self._lock:
+            return self._bad, tuple(self._bad_shown)
 
     def left(self) -> list[dict]:
         """The latest ``MAX_LEFT`` non-``ok`` ends, oldest first (kept past their entry)."""

@@ -152,7 +152,8 @@ class Dispatch:
         elif kind == "shm_batch":
             self._on_batch(router, conn, header, lambda: self._shm_batch(conn, header))
         elif kind == "end":  # the producer's bye, and why (protocol.end_reason)
-            self._ledger.ended(conn.index, header["seq"], *protocol.end_reason(header))
+            self._ledger.ended(conn.index, header["seq"], *protocol.end_reason(header),
+                               bad=protocol.end_bad(header))  # fmt: skip
             if self.shards.end(conn, header["seq"]) and conn.confirm:
                 self._unconfirmed[conn.routing_id] = (conn.claim[0], header["seq"])
                 self._saves_seen = -1  # look now: the checkpoint may hold it already

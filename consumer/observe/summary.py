@@ -82,6 +82,7 @@ def summarize(
         "refused_producers": {name: dict(why) for name, why in report.refusals.items()},
         "producers_ended": dict(report.producers_ended),
         "producers_left": [dict(left) for left in report.producers_left],
+        "bad_records": {"skipped": report.bad_records[0], "first": list(report.bad_records[1])},
         "data_ended": report.data_ended,
         "run_length": run_length(report, interrupted),
         "connections": dict(report.connections),
@@ -279,6 +280,12 @@ def format_text(summary: dict[str, Any]) -> str:
     if s.get("producers_ended"):
         ends = ", ".join(f"{k} {v}" for k, v in sorted(s["producers_ended"].items()))
         lines.append(f"  producers ended: {ends}")
+    bad = s.get("bad_records", {})
+    if bad.get("skipped"):
+        lines.append(
+            f"  bad records skipped by the producers: {bad['skipped']} (--on-bad-record skip), "
+            f"the first: {'; '.join(bad['first'])}"
+        )
     for left in s.get("producers_left", []):
         lines.append(
             f"  producer {left['producer']} left after {left['ended_after']} batches: "

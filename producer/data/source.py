@@ -183,6 +183,10 @@ class MapSource:
             for array in out.values():
                 array[row] = array[good[k % len(good)]]
 
+    def skipped(self) -> tuple[int, str]:
+        """Records left out so far, and the first of them named (the ``end`` tells them)."""
+        return self.bad, self.bad_shown[0] if self.bad_shown else ""
+
     def report(self) -> str:
         """What was left out, for the producer's final line ('' if nothing)."""
         if not self.bad:
