@@ -78,15 +78,19 @@ def test_produce_skips_a_corrupt_jpeg_counts_it_and_names_it_in_its_last_line(tm
     assert end["bad_first"].startswith(f"{tmp_path}/dog/broken.jpg (record 8): not a decodable")
 
 
+def run_pets(tmp_path, *flags: str):
+    """``run`` on 13 images (3 batches of 4), one of them a corrupt JPEG, a tiny model."""
+    make_images(tmp_path / "pets", per_class=6, bad="broken.jpg")
+    return run_cli([
+        "run", "--source", f"images:{tmp_path / 'pets'}", *flags,
+        "--model", "tests.helpers.image_models:tiny", "--batch-size", "4", "--short-batch", "drop",
+        "--warmup-steps", "0", "--progress-s", "100", "--json", str(tmp_path / "run.json"),
+    ], timeout=180)  # fmt: skip
+
+
 @pytest.mark.slow
 def test_run_skipping_a_corrupt_jpeg_counts_and_names_it_in_the_trainers_summary(tmp_path):
-    make_images(tmp_path / "pets", per_class=6, bad="broken.jpg")  # 13 images: 3 batches of 4
-    done = run_cli([
-        "run", "--producers", "1", "--source", f"images:{tmp_path / 'pets'}",
-        "--model", "tests.helpers.image_models:tiny", "--batch-size", "4", "--short-batch", "drop",
-        "--on-bad-record", "skip", "--warmup-steps", "0", "--progress-s", "100",
-        "--json", str(tmp_path / "run.json"),
-    ], timeout=180)  # fmt: skip
+    done = run_pets(tmp_path, "--producers", "1", "--on-bad-record", "skip")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     bad = json.loads((tmp_path / "run.json").read_text())["bad_records"]
     assert bad["skipped"] == 1, bad
@@ -167,13 +171,7 @@ def test_run_of_epochs_with_a_corrupt_jpeg_under_fail_trains_what_came_and_ends_
     pass end while the trainer waited for it (until killed). Now the failed source ends the
     run: what was delivered is trained, the summary is written, then one line naming the
     file, exit 2 (a data source's bad record under ``fail``, README's exit codes)."""
-    make_images(tmp_path / "pets", per_class=6, bad="broken.jpg")  # 13 images: 3 batches of 4
-    done = run_cli([
-        "run", "--producers", "2", "--source", f"images:{tmp_path / 'pets'}",
-        "--model", "tests.helpers.image_models:tiny", "--batch-size", "4", "--short-batch", "drop",
-        "--epochs", "2", "--warmup-steps", "0", "--progress-s", "100",
-        "--json", str(tmp_path / "run.json"),
-    ], timeout=180)  # fmt: skip
+    done = run_pets(tmp_path, "--producers", "2", "--epochs", "2")
     line = one_line(done, code=2)
     assert "broken.jpg" in line and "not a decodable JPEG" in line, line
     assert "stagefeed summary" in done.stdout, done.stdout
