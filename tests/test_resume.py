@@ -143,7 +143,9 @@ def test_producers_waiting_for_a_run_that_finished_by_its_steps_leave_with_it(sp
     both producers deliver their 24 batches early and wait for ``saved``, which never comes
     (the 20 steps leave 28 batches untrained); the finished run's ``bye`` lets them go."""
     save, port = tmp_path / "save", free_tcp_port()
-    model = [*MODEL, "--steps", "20"]  # the later flag wins
+    # The later flag wins. A queue deep enough for every batch: by default it would be 20
+    # deep (the planned steps), and the producers could not deliver all of theirs early.
+    model = [*MODEL, "--steps", "20", "--queue-batches", "64"]
     producers = spawn(["produce", "--connect", f"tcp://127.0.0.1:{port}", "--workers", "2",
                        "--schema", "tests.helpers.resume_models:SCHEMA", "--source",
                        "tests.helpers.resume_models:rows"], "producers")  # fmt: skip
