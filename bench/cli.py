@@ -71,7 +71,9 @@ def add_parser(subparsers: Any) -> None:
         help="stagefeed enqueue threads [2] (--recv-threads: its old name)",
     )  # fmt: skip
     p.add_argument(
-        "--transport", default="tcp", choices=TRANSPORTS, help="both stagefeed modes' loopback"
+        "--transport", default="shm", choices=TRANSPORTS,
+        help="stagefeed and keras-stagefeed's loopback [shm: what run uses on one host]; "
+        "stagefeed-tcp is stagefeed over tcp whatever this says",
     )
     p.add_argument("--queue-mb", type=float, default=1024.0, help="queue budget, MiB [1024]")
     p.add_argument(

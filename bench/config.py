@@ -19,6 +19,7 @@ STEP_MODES = (
     "seed-staging",
     "tf.data",
     "stagefeed",
+    "stagefeed-tcp",
 )
 # The Keras family: ``model.fit`` of the same AlexNet in Keras 3 (``bench.keras_model``).
 KERAS_MODES = ("keras-synthetic", "keras-from_generator", "keras-stagefeed")
@@ -119,7 +120,9 @@ class StepsConfig:
     rounds: int = 0
     producers: int = 2
     enqueue_threads: int = 2
-    transport: str = "tcp"
+    # The stagefeed modes' loopback: shm, what ``run`` uses on one host (``stagefeed-tcp``
+    # is the same feed over tcp whatever this says: what producers on other hosts use).
+    transport: str = "shm"
     queue_mb: float = 1024.0
     seed_prestage: int = 1
     device: str = "auto"

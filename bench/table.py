@@ -13,6 +13,7 @@ MODE_MEANING = {
     "seed-staging": "the seed's Python thread -> FIFOQueue -> StagingArea, put grouped",
     "tf.data": "Dataset.from_generator over numpy batches + prefetch",
     "stagefeed": "producer processes -> ZeroMQ -> intake -> FIFOQueue -> StagingArea",
+    "stagefeed-tcp": "the same over tcp, as from producers on other hosts",
     "keras-synthetic": "random tensors made on the training device, held; fit's dataset a scalar",
     "keras-from_generator": "fit on Dataset.from_generator over numpy batches + prefetch",
     "keras-stagefeed": "fit on ServedFeed: producer processes -> intake -> queue -> device buffer",
@@ -79,13 +80,14 @@ def _family_table(report: dict[str, Any], family: str, modes: dict[str, Any]) ->
     lines.append("")
     lines += [f"  {name}: {MODE_MEANING[name]}" for name in modes]
     notes = _graph_notes(report, modes) if family == "graph" else []
-    for name in ("stagefeed", "keras-stagefeed"):
+    for name in ("stagefeed", "stagefeed-tcp", "keras-stagefeed"):
         if name in modes:
             i = modes[name]["info"]
+            transport = "tcp" if name == "stagefeed-tcp" else report["settings"]["transport"]
             notes.append(
                 f"{name}: {i.get('producers')} producers, {i.get('enqueue_threads')} enqueue "
                 f"threads (--enqueue-threads), queue {i.get('queue_capacity')} batches, staging "
-                f"depth {i.get('stage_depth')}, {report['settings']['transport']}."
+                f"depth {i.get('stage_depth')}, {transport}."
             )
     feed_cpu = [
         f"{name} {f['feed_cpu_ms_per_step']}"

@@ -18,6 +18,7 @@ part: a run with it still had two workers terminated after 20 s).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # The modes whose trainer applies stagefeed's malloc policy; the others keep glibc's defaults,
 # as a user's own code would.
-POLICY_MODES = ("stagefeed", "keras-stagefeed")
+POLICY_MODES = ("stagefeed", "stagefeed-tcp", "keras-stagefeed")
 
 
 def open_mode(name: str, config: StepsConfig, device: str) -> Any:
@@ -51,9 +52,11 @@ def open_mode(name: str, config: StepsConfig, device: str) -> Any:
         from stagefeed.bench.seed_staging import SeedStagingMode
 
         return SeedStagingMode(config, device)
-    if name == "stagefeed":
+    if name in ("stagefeed", "stagefeed-tcp"):
         from stagefeed.bench.stagefeed_mode import StagefeedMode
 
+        if name == "stagefeed-tcp":
+            config = dataclasses.replace(config, transport="tcp")
         return StagefeedMode(config, device)
     if name in ("keras-synthetic", "keras-from_generator"):
         from stagefeed.bench import keras_modes
