@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
         type=_list_of(str),
         default=("graph",),
         help=f"comma-separated modes of {','.join(ALL_MODES)}, or families: graph (the "
-        "first six), keras (the keras-* trio), all [default: graph]",
+        "first seven), keras (the keras-* trio), all [default: graph]",
     )
     p.add_argument("--batch-size", type=int, default=64, help="images per batch [64]")
     p.add_argument("--dtype", default="float32", choices=IMAGE_DTYPES, help="image dtype")
