@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from stagefeed.common.schema import ArraySpec, Schema
+from tests.helpers import row_counters
 
 ROWS = 96
 BATCH = 4
@@ -23,7 +24,7 @@ EPOCHS = 2
 SCHEMA = Schema(
     (ArraySpec("ids", "int32", bounds=(0, ROWS)), ArraySpec("x", "float32")), BATCH
 )
-COUNTS = "row_counts"
+COUNTS = row_counters.COUNTS
 
 
 def stream(index: int, count: int) -> list[np.ndarray]:
@@ -57,60 +58,27 @@ def rows_unseekable(schema, worker) -> Iterator[dict[str, np.ndarray]]:
 
 def row_counter(staged, schema):
     """Graph mode: ``row_counts[ROWS]`` += one-hot of the batch's row ids; loss 0."""
-    import tensorflow as tf
-
-    v1 = tf.compat.v1
-    counts = v1.get_variable(COUNTS, [ROWS], tf.float32, v1.zeros_initializer(), trainable=False)
-    ids = tf.cast(staged["ids"], tf.int32)
-    add = counts.assign_add(tf.reduce_sum(tf.one_hot(ids, ROWS), axis=0))
-    loss = tf.reduce_sum(staged["x"]) * 0.0
-    return loss, tf.group(add)
+    return row_counters.graph_row_counter(staged, ROWS)
 
 
 def counts_in(prefix: str) -> np.ndarray:
     """``row_counts`` of a graph checkpoint (``DIR/model.ckpt``)."""
-    import tensorflow as tf
-
-    return tf.train.load_checkpoint(prefix).get_tensor(COUNTS)
+    return row_counters.graph_counts(prefix)
 
 
 LEARNING_RATE = 0.05
 
 
 def keras_counter(schema):
-    """Keras: a ``RowCounter`` layer (``row_counts[ROWS]`` += one-hot of the row ids, in
+    """Keras: the ``counter`` layer (``row_counts[ROWS]`` += one-hot of the row ids, in
     training calls only) and one trainable scalar ``w`` fit to the target ``x`` (ones) by
     Adam: ``w`` after ``n`` steps depends on ``n`` and on Adam's moments and ``iterations``
     going on unbroken across restarts (``keras_reference_w``)."""
     import keras
 
-    ids = keras.Input(shape=(), name="ids", dtype="int32")
-    model = keras.Model(ids, _row_counter_layer()(ids), name="keras_counter")
-    model.compile(keras.optimizers.Adam(LEARNING_RATE), "mse")
-    return model
-
-
-def _row_counter_layer():
-    import keras
-    import tensorflow as tf
-
-    class RowCounter(keras.layers.Layer):
-        def build(self, shape):
-            self.counts = self.add_weight(
-                shape=(ROWS,), initializer="zeros", trainable=False, name=COUNTS
-            )
-            self.w = self.add_weight(shape=(), initializer="zeros", name="w")
-
-        def call(self, ids, training=None):
-            if training:
-                # Every replica's rows (a cluster: every worker's), so that every copy of the
-                # counts is the same; on one device the sum is the rows themselves.
-                rows = tf.reduce_sum(tf.one_hot(ids, ROWS), axis=0)
-                context = tf.distribute.get_replica_context()
-                self.counts.assign_add(context.all_reduce("sum", rows))
-            return tf.zeros_like(tf.cast(ids, "float32")) + self.w
-
-    return RowCounter(name="counter")
+    return row_counters.keras_row_counter(
+        "keras_counter", ROWS, keras.optimizers.Adam(LEARNING_RATE)
+    )
 
 
 def keras_state_in(path: str) -> tuple[np.ndarray, float, int]:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from stagefeed.common.schema import ArraySpec, Schema
+from tests.helpers import row_counters
 
 ROWS = 192
 BATCH = 4
@@ -26,7 +27,7 @@ PER_PASS = ROWS // BATCH  # 48 batches a pass over all shards
 SCHEMA = Schema(
     (ArraySpec("ids", "int32", bounds=(0, ROWS)), ArraySpec("x", "float32")), BATCH
 )
-COUNTS = "row_counts"
+COUNTS = row_counters.COUNTS
 
 
 def _pass(worker, sleep: bool) -> Iterator[dict[str, np.ndarray]]:
@@ -55,50 +56,22 @@ for _source in (slow_rows, fast_rows):
 
 def row_counter(staged, schema):
     """Graph mode: ``row_counts[ROWS]`` += one-hot of the batch's row ids; loss 0."""
-    import tensorflow as tf
-
-    v1 = tf.compat.v1
-    counts = v1.get_variable(COUNTS, [ROWS], tf.float32, v1.zeros_initializer(), trainable=False)
-    ids = tf.cast(staged["ids"], tf.int32)
-    add = counts.assign_add(tf.reduce_sum(tf.one_hot(ids, ROWS), axis=0))
-    loss = tf.reduce_sum(staged["x"]) * 0.0
-    return loss, tf.group(add)
+    return row_counters.graph_row_counter(staged, ROWS)
 
 
 def graph_counts(prefix: str) -> np.ndarray:
     """``row_counts`` of a graph checkpoint (``DIR/model.ckpt``)."""
-    import tensorflow as tf
-
-    return tf.train.load_checkpoint(prefix).get_tensor(COUNTS)
+    return row_counters.graph_counts(prefix)
 
 
 def keras_counter(schema):
     """Keras: ``row_counts`` (non-trainable) += one-hot of the ids in training calls, and a
     scalar ``w`` fit to ``x`` (ones) by SGD."""
     import keras
-    import tensorflow as tf
 
-    class RowCounter(keras.layers.Layer):
-        def build(self, shape):
-            self.counts = self.add_weight(
-                shape=(ROWS,), initializer="zeros", trainable=False, name=COUNTS
-            )
-            self.w = self.add_weight(shape=(), initializer="zeros", name="w")
-
-        def call(self, ids, training=None):
-            if training:
-                self.counts.assign_add(tf.reduce_sum(tf.one_hot(ids, ROWS), axis=0))
-            return tf.zeros_like(tf.cast(ids, "float32")) + self.w
-
-    ids = keras.Input(shape=(), name="ids", dtype="int32")
-    model = keras.Model(ids, RowCounter(name="counter")(ids), name="run_length_counter")
-    model.compile(keras.optimizers.SGD(0.01), "mse")
-    return model
+    return row_counters.keras_row_counter("run_length_counter", ROWS, keras.optimizers.SGD(0.01))
 
 
 def keras_counts(path: str) -> np.ndarray:
     """``row_counts`` of a ``.keras`` file of ``keras_counter``."""
-    model = keras_counter(SCHEMA)
-    model.optimizer.build(model.trainable_variables)
-    model.load_weights(path)
-    return model.get_layer("counter").counts.numpy()
+    return row_counters.keras_counts(keras_counter(SCHEMA), path)

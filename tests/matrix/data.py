@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from stagefeed.common.schema import ArraySpec, Schema
+from tests.helpers import row_counters
 
 ROWS = 192
 BATCH = 4
@@ -30,7 +31,7 @@ PASSES = 2
 SCHEMA = Schema(
     (ArraySpec("ids", "int32", bounds=(0, ROWS)), ArraySpec("x", "float32")), BATCH
 )
-COUNTS = "row_counts"
+COUNTS = row_counters.COUNTS
 SPEED_ENV = "STAGEFEED_MATRIX_SPEED"
 FAST_STEP_S, SLOW_STEP_S, SLOW_BATCH_S = 0.06, 0.005, 0.15
 FAIL_AT = 3  # ``failing`` raises at this batch of each shard
@@ -92,31 +93,15 @@ def _step_pause() -> float:
     return FAST_STEP_S if speed() == "fast" else SLOW_STEP_S
 
 
-def _sleep(seconds):
-    time.sleep(float(seconds))
-    return np.float32(0.0)
-
-
 def graph_counter(staged, schema):
     """Graph mode: ``row_counts[ROWS]`` += one-hot of the batch's ids; each step sleeps
     as its speed says; loss 0."""
-    import tensorflow as tf
-
-    v1 = tf.compat.v1
-    counts = v1.get_variable(COUNTS, [ROWS], tf.float32, v1.zeros_initializer(), trainable=False)
-    ids = tf.cast(staged["ids"], tf.int32)
-    pause = tf.numpy_function(_sleep, [tf.constant(_step_pause())], tf.float32)
-    with tf.control_dependencies([pause]):
-        add = counts.assign_add(tf.reduce_sum(tf.one_hot(ids, ROWS), axis=0))
-    loss = tf.reduce_sum(staged["x"]) * 0.0
-    return loss, tf.group(add)
+    return row_counters.graph_row_counter(staged, ROWS, pause_s=_step_pause())
 
 
 def graph_counts(prefix: str) -> np.ndarray:
     """``row_counts`` of a graph checkpoint (``DIR/model.ckpt``)."""
-    import tensorflow as tf
-
-    return tf.train.load_checkpoint(prefix).get_tensor(COUNTS)
+    return row_counters.graph_counts(prefix)
 
 
 def keras_counter(schema):
@@ -125,10 +110,9 @@ def keras_counter(schema):
     call sleeps as its speed says."""
     import keras
 
-    ids = keras.Input(shape=(), name="ids", dtype="int32")
-    model = keras.Model(ids, _counter_layer()(ids), name="matrix_counter")
-    model.compile(keras.optimizers.SGD(0.01), "mse")
-    return model
+    return row_counters.keras_row_counter(
+        "matrix_counter", ROWS, keras.optimizers.SGD(0.01), pause_s=_step_pause()
+    )
 
 
 def keras_wrong_output(schema):
@@ -151,36 +135,9 @@ def graph_wrong_labels(staged, schema):
     return loss, tf.group(loss)
 
 
-def _counter_layer():
-    import keras
-    import tensorflow as tf
-
-    pause = _step_pause()
-
-    class RowCounter(keras.layers.Layer):
-        def build(self, shape):
-            self.counts = self.add_weight(
-                shape=(ROWS,), initializer="zeros", trainable=False, name=COUNTS
-            )
-            self.w = self.add_weight(shape=(), initializer="zeros", name="w")
-
-        def call(self, ids, training=None):
-            if training:
-                waited = tf.reshape(tf.numpy_function(_sleep, [tf.constant(pause)], tf.float32), [])
-                rows = tf.reduce_sum(tf.one_hot(ids, ROWS), axis=0) + waited
-                context = tf.distribute.get_replica_context()
-                self.counts.assign_add(context.all_reduce("sum", rows))
-            return tf.zeros_like(tf.cast(ids, "float32")) + self.w
-
-    return RowCounter(name="counter")
-
-
 def keras_counts(path: str) -> np.ndarray:
     """``row_counts`` of a ``.keras`` or ``.weights.h5`` file of ``keras_counter``."""
-    model = keras_counter(SCHEMA)
-    model.optimizer.build(model.trainable_variables)
-    model.load_weights(path)
-    return model.get_layer("counter").counts.numpy()
+    return row_counters.keras_counts(keras_counter(SCHEMA), path)
 
 
 def miscounted(counts: np.ndarray) -> dict[int, float]:

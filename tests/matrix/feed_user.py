@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 import stagefeed
+from tests.helpers import row_counters
 from tests.matrix import data
 
 CHECKPOINT_EVERY = 4
@@ -76,7 +77,7 @@ def loop(args) -> int:
     @tf.function
     def step(batch):
         counts.assign_add(tf.reduce_sum(tf.one_hot(batch["ids"], data.ROWS), axis=0))
-        tf.numpy_function(data._sleep, [tf.constant(data._step_pause())], tf.float32)
+        tf.numpy_function(row_counters.sleep_for, [tf.constant(data._step_pause())], tf.float32)
 
     steps = 0
     try:
