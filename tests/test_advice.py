@@ -208,8 +208,13 @@ def test_slow_producers_make_a_run_input_bound(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_fast_producers_make_a_run_compute_bound(tmp_path) -> None:
-    # Two unlimited producers and a 20-batch queue: it fills at once and stays full.
-    summary = _run(tmp_path, "--producers", "2", "--queue-mb", "24", "--steps", "8")
+    # Two unlimited producers of 64-byte batches and a step that sleeps 2 s: the queue fills
+    # at once and stays full, at any load (AlexNet's step on batches of 2 was assumed slower
+    # than two producers, which a loaded machine need not keep).
+    slow_step = [*TINY_MODEL[:4], "--model", "tests.helpers.regression_models:slow_linear_fn"]
+    summary = _run(
+        tmp_path, "--producers", "2", "--steps", "4", "--warmup-steps", "1", job=slow_step
+    )
     assert summary["bottleneck"] == "compute-bound", summary["advice"]
     assert summary["stall_pct"] < advice.INPUT_BOUND_STALL_PCT
 
