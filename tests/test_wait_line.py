@@ -45,11 +45,11 @@ def test_a_keras_train_with_no_producer_says_what_it_waits_for(start_cli):
          "--model", "tests.helpers.regression_models:build", "--bind", endpoint, "--steps", "0"],
         name="keras",
     )  # fmt: skip
-    found = wait_for(lambda: len(re.findall(LINE, trainer.output())) >= 2, 180)
+    # The first line, 10 s into the wait (the interval's arithmetic: the fake-clock test above).
+    found = wait_for(lambda: re.search(LINE, trainer.output()), 180)
     log = trainer.output()
     assert found, log[-3000:]
-    first, second = re.findall(LINE, log)[:2]
-    assert first == ("10", "0", endpoint) and second == ("20", "0", endpoint), log[-3000:]
+    assert re.findall(LINE, log)[0] == ("10", "0", endpoint), log[-3000:]
     trainer.signal()
     assert trainer.wait(60) == 0, trainer.output()[-3000:]
 
