@@ -100,7 +100,9 @@ def stop_producers(producer_procs) -> None:
 
 @pytest.mark.slow
 def test_services_train_a_few_steps_then_the_healthcheck_fails(start_cli, tmp_path):
-    variables = compose_variables(STAGEFEED_STEPS="3")
+    # 3 batches a producer: the 5 steps (2 warm-up) need both, so the second producer's pool
+    # is mapped by construction (the first alone once fed the whole run before it started).
+    variables = compose_variables(STAGEFEED_STEPS="3", STAGEFEED_MAX_BATCHES="3")
     trainer, trainer_proc, producer_procs = start_services(start_cli, tmp_path, variables, 2)
     assert trainer_proc.wait(120) == 0, trainer_proc.output()
     after = healthcheck(trainer)
