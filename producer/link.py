@@ -293,6 +293,11 @@ class Link:
             session.hello_sent(now)
         if not session.welcomed:
             return
+        if session.moved:
+            # Held batches, an end_pass or an end from the old position must not reach the
+            # trainer that moved us: an ``end`` booked there ended the shard for the new
+            # connection too, which then got no credit (a resumed run of passes hung).
+            return
         while session.credit > 0 and self._outbox:
             if self._stale(self._outbox[0]):
                 out = self._outbox.popleft()
@@ -381,7 +386,7 @@ class Link:
     def _check_finish(self, now: float) -> None:
         if self._finish is None or self._drained:
             return
-        if self._end_sent or now >= self._finish.deadline:
+        if self._end_sent or now >= self._finish.deadline or self.session.moved:
             self._drained = True
             self._events.put(Drained(len(self._outbox), self._end_sent))
 

@@ -89,6 +89,9 @@ class Session:
         self.shm = shm
         self.shm_offer: ShmOffer | None = None  # of the latest welcome
         self.welcomes = 0  # welcomes accepted, on any connection
+        # A later welcome moved this shard (``Repositioned``): nothing more of this stream
+        # goes on this channel; its owner rewinds onto a new one.
+        self.moved = False
         self._on_release = on_release
         self.name = name
         # Links this run's connections in the trainer's books; secret, so that no other peer
@@ -261,6 +264,7 @@ class Session:
             if passes is not None:
                 self._pass_is(passes[0])
             if resume is not None:
+                self.moved = True
                 self._post(Repositioned(resume))
             elif header.get("confirm") is not True:
                 self._post(Saved(None))  # this trainer will not confirm: nothing to wait for

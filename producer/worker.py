@@ -284,6 +284,8 @@ def _finish(
     drained = channel.finish(
         outcome.next_seq, stop, FLUSH_TIMEOUT_S, reason, str(failure or ""), bad
     )
+    if failure is None and channel.repositioned is not None:
+        return None  # a later welcome moved this shard: the caller rewinds, nothing is lost
     linger_s = max(0.0, FLUSH_TIMEOUT_S - (time.monotonic() - started))
     refused = sum(channel.refused().values())
     log.log(
