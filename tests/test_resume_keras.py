@@ -127,7 +127,10 @@ def test_every_keras_checkpoint_holds_exactly_the_batches_its_model_trained(tmp_
     dequeued, not what the steps trained, names rows the model never counted."""
     save, summary = tmp_path / "save", tmp_path / "summary.json"
     done = run_cli(
-        [*_run(save, "--steps", "20", "--checkpoint-every", "3"), "--json", str(summary)],
+        # A queue deeper than the 20 planned steps (by default it would be 20 deep), so that
+        # the producers are far ahead and tf.data holds batches when the steps are done.
+        [*_run(save, "--steps", "20", "--checkpoint-every", "3", "--queue-batches", "64"),
+         "--json", str(summary)],
         timeout=TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr[-3000:]
