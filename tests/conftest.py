@@ -167,13 +167,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     other test goes to whichever worker is free (a whole module on one worker left the other
     idle at the end of the run). Without xdist the mark does nothing. Under ``--fast`` (make
     check), the tests that are not fast are marked ``process`` and left out
-    (tests/helpers/fast_tests.py).
-
-    The ``slow`` tests (they start processes) go first, in their order, then the rest: the
-    many short ones fill the end of the run, where one long test on one worker left the other
-    core idle for minutes."""
+    (tests/helpers/fast_tests.py)."""
     fast_tests.mark(config, items)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
     tests = os.path.join(REPO, "tests")
     for item in items:
         top = os.path.relpath(str(item.path), tests).split(os.sep)[0]
