@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from stagefeed.common.checks import check_number
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import MIB, check_number
+from stagefeed.common.options import MIB
 from stagefeed.common.schema import Schema, image_schema
 
 # The graph family: compat.v1 sessions training ``consumer.graph.alexnet``'s AlexNet.

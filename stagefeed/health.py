@@ -29,8 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from stagefeed import envflags
+from stagefeed.common.checks import check_endpoint, check_number
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import check_endpoint, check_number
 
 DEFAULT_BIND = "tcp://*:5555"
 _WILDCARD_TCP = re.compile(r"tcp://(\*|0\.0\.0\.0):(\d+)")

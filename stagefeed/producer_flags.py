@@ -21,9 +21,10 @@ from collections.abc import Mapping
 
 from stagefeed import envflags
 from stagefeed.common import tf_config
+from stagefeed.common.checks import check_endpoints
 from stagefeed.common.endpoints import MAX_PORT
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import SHORT_BATCH, check_endpoints
+from stagefeed.common.options import SHORT_BATCH
 from stagefeed.data_flags import add_data_flags
 
 DEFAULT = "tcp://127.0.0.1:5555"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from stagefeed.common.checks import check_endpoint
 from stagefeed.common.endpoints import MAX_IPC_PATH_BYTES, Endpoint, parse
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.options import ProducerOptions, TrainerOptions, check_endpoint
+from stagefeed.common.options import ProducerOptions, TrainerOptions
 
 
 @pytest.mark.parametrize(
