@@ -39,7 +39,6 @@ lost connection, with their ``on_release``), ``resend`` and ``begin_finish``/``d
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -60,26 +59,15 @@ from stagefeed.common.schema import Schema
 from stagefeed.common.shm.slots import SlotPool
 from stagefeed.producer.handoff import (
     CloseChannel,
-    Credit,
     Drained,
-    Dropped,
     EndPass,
-    EndRead,
     EventQueue,
-    Failed,
     Finish,
-    Lost,
-    NextPass,
     Outgoing,
-    Released,
-    Repositioned,
-    Returned,
-    Saved,
-    Sent,
     Welcome,
-    Welcomed,
 )
 from stagefeed.producer.link import Link
+from stagefeed.producer.link_reports import LinkReports, OnRelease
 from stagefeed.producer.shm_lane import ShmLane, ignore_sigxfsz
 
 log = logging.getLogger(__name__)
@@ -89,10 +77,9 @@ JOIN_TIMEOUT_S = 5.0
 THREAD_NAME = "stagefeed-channel"
 
 __all__ = ["Drained", "TrainerChannel", "Welcome"]
-OnRelease = Callable[[], None] | None
 
 
-class TrainerChannel:
+class TrainerChannel(LinkReports):
     """The producer's connection to the trainer at ``endpoint`` (see the module docstring).
 
     ``name`` goes in every hello (``protocol.check_producer_name``). ``schema``: the declared
@@ -152,26 +139,7 @@ class TrainerChannel:
         self._thread = threading.Thread(
             target=link.run, name=f"{THREAD_NAME} {endpoint}", daemon=True
         )
-        self.welcome: Welcome | None = None
-        # The latest ``Repositioned`` since ``open``: a later welcome moved this shard.
-        self.repositioned: tuple[int, list[list[int]]] | None = None
-        self.trainer_pass = 0  # the pass the trainer is in (``NextPass``)
-        self.confirms = False  # the trainer will say ``saved`` (its welcome said ``confirm``)
-        self.saved: int | None = None  # the end of the stream a complete checkpoint holds
-        # After ``finish``: the trainer read our ``end`` (True), or said ``bye`` (False).
-        self.end_read: bool | None = None
-        self._end_seq: int | None = None  # the ``end {seq}`` that ``finish`` sends
-        self._accepted = 0
-        self._sent = 0
-        self._released = 0
-        self._discarded = 0  # released without being sent (stale after a rewind)
-        self._on_release: dict[int, OnRelease] = {}
-        self._credit = 0
-        self.lost = 0  # connections to the trainer lost so far
-        self._returned: list[tuple[Outgoing, OnRelease]] = []
-        self._refused: collections.Counter[str] = collections.Counter()
-        self.drained: Drained | None = None
-        self._failure: BaseException | None = None
+        super().__init__()
         self._started = False
         self._closed = False
 
@@ -434,46 +402,3 @@ class TrainerChannel:
             self._handle(event, reraise=reraise)
         if reraise and self._failure is not None:
             raise self._failure
-
-    def _handle(self, event: object, reraise: bool = True) -> None:
-        if isinstance(event, Released):
-            self._released += 1
-            self._discarded += not event.sent
-            callback = self._on_release.pop(event.seq, None)
-            if callback is not None:
-                callback()
-        elif isinstance(event, Credit):
-            self._credit = event.n
-        elif isinstance(event, Sent):
-            self._sent += 1
-        elif isinstance(event, Returned):
-            self._accepted -= 1
-            self._returned.append((event.out, self._on_release.pop(event.out.seq, None)))
-        elif isinstance(event, Lost):
-            self.lost += 1
-        elif isinstance(event, Dropped):
-            self._refused[event.reason] += 1
-        elif isinstance(event, Welcomed):
-            self.welcome = event.welcome
-            self.trainer_pass = event.welcome.passes[0] if event.welcome.passes else 0
-            self.confirms = event.welcome.confirm
-        elif isinstance(event, NextPass):
-            self.trainer_pass = max(self.trainer_pass, event.pass_)
-        elif isinstance(event, Repositioned):
-            self.repositioned = event.resume
-        elif isinstance(event, Saved) and event.seq is None:
-            self.confirms = False  # a finished run's bye, or a trainer that will not confirm
-        elif isinstance(event, Saved):
-            self.saved, self.confirms = event.seq, True
-        elif isinstance(event, Drained):
-            self.drained = event
-        elif isinstance(event, EndRead) and self.drained is not None:
-            # Events come in order: only a ``bye`` after our ``end`` went says it is not read.
-            if event.seq is not None and event.seq == self._end_seq:
-                self.end_read = True
-            elif event.seq is None and self.end_read is None:
-                self.end_read = False
-        elif isinstance(event, Failed):
-            self._failure = event.error
-            if reraise:
-                raise event.error
