@@ -15,6 +15,10 @@ STAMP := $(VENV)/.stagefeed-installed
 # puts this folder on PYTHONPATH. Its dependencies are named since numpy must stay the venv's.
 EXAMPLES_DIR := $(VENV)/examples-packages
 EXAMPLES_PACKAGES := 'scikit-learn>=1.3' scipy joblib threadpoolctl narwhals cloudpickle
+# Hugging Face datasets (the HFRecords tests) beside the venv too, for the same reason: Keras
+# imports pandas, which datasets needs, about half a second of CPU in each TensorFlow process.
+# tests/helpers/hf_packages.py appends it to sys.path, after the venv's own numpy and pyarrow.
+HF_DIR := $(VENV)/hf-packages
 
 .PHONY: run test check lint layers typecheck venv bench clean
 # The type checker on the public API ([tool.mypy] in pyproject.toml): mypy reads the package
@@ -28,6 +32,8 @@ $(STAMP): pyproject.toml tests/k8s-renderer.txt
 		--ignore-requires-python --require-hashes -r tests/k8s-renderer.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
 		--target $(EXAMPLES_DIR) $(EXAMPLES_PACKAGES)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade \
+		--target $(HF_DIR) 'datasets>=2.14'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -150,7 +150,6 @@ def test_a_missing_path_an_empty_folder_or_a_missing_column_fails_at_start(tmp_p
 
 
 def test_produce_feeds_a_hugging_face_dataset_named_from_a_user_module(tmp_path):
-    pytest.importorskip("datasets")
     schema = Schema((ArraySpec("id", "int64"), ArraySpec("x", "float32", (2,))), batch_size=4)
     ids: list[int] = []
     with StandInTrainer(schema, regrant=True,

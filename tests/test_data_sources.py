@@ -168,8 +168,10 @@ def test_a_missing_parquet_path_or_column_is_refused_at_start(tmp_path):
 
 
 def test_a_hugging_face_dataset_is_records():
-    datasets = pytest.importorskip("datasets")
     from stagefeed.producer.data.hf import HFRecords
+    from tests.helpers import hf_packages
+
+    datasets = hf_packages.use()
 
     ds = datasets.Dataset.from_dict(
         {"x": np.arange(10, dtype=np.float32).reshape(5, 2), "y": np.arange(5), "t": list("abcde")}

@@ -4,15 +4,12 @@ tail dropped) and ``tests.helpers.data_user:jitter`` (a transform)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-os.environ.setdefault("USE_TF", "0")  # datasets would import TensorFlow into the producer
+import stagefeed
+from tests.helpers import hf_packages
 
-import datasets  # noqa: E402
-
-import stagefeed  # noqa: E402
+datasets = hf_packages.use()
 
 ROWS = 30
 DATASET = datasets.Dataset.from_dict({
