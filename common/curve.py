@@ -29,14 +29,16 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.lifecycle import join_threads
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ def authorized_keys(keys_dir: str) -> dict[bytes, bool]:
     folder = os.path.join(keys_dir, AUTHORIZED)
     if not os.path.isdir(folder):
         raise ConfigError(f"curve keys: {folder} is missing (written by stagefeed keygen)")
+    import zmq.auth  # here, not at the top: CURVE's imports (asyncio) cost every process 60 ms
+
     keys = zmq.auth.load_certificates(folder)
     if not keys:
         raise ConfigError(f"curve keys: no public key (*.key) in {folder}; nobody could connect")
@@ -110,6 +114,8 @@ class ServerCurve:
     def __call__(self, socket: zmq.Socket) -> None:
         with self._lock:
             if self._auth is None:
+                from zmq.auth.thread import ThreadAuthenticator
+
                 auth = ThreadAuthenticator(socket.context, log=log)
                 auth.start()
                 auth.thread.name = AUTH_THREAD_NAME
@@ -174,6 +180,8 @@ def client_configurator(keys_dir: str) -> Callable[[zmq.Socket], None]:
 def _load(path: str) -> tuple[bytes, bytes | None]:
     if not os.path.isfile(path):
         raise ConfigError(f"curve keys: {path} is missing (written by stagefeed keygen)")
+    import zmq.auth
+
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
