@@ -15,6 +15,10 @@ producer:
   ``confirm`` (true; only with ``shard``): this producer can stay after its ``end`` until a
   checkpoint holds all of its shard (``saved``), so that a trainer killed before that gets
   the tail again from it (docs/resume.md).
+  ``group_first``, ``group_shards`` (together; only with ``shard``): the shards of this
+  producer's ``produce`` command, ``group_first .. group_first + group_shards - 1``; a trainer
+  that waits only for shards that joined it (a cluster worker) waits for these too, once one
+  of them delivered.
   ``ack_end`` (true): this producer waits, before it closes, for the trainer's ``ended``.
 - ``batch``  ``{"seq": int, "arrays": [[name, dtype.str, shape], ...]}``, then one raw frame
   per array, C order, in the header's order. Sent only against credit (see below).
@@ -143,7 +147,8 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 _OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
     "hello": ({"shm": (bool,)}, {"session": (str,)},
               {"shard": (int,), "shards": (int,), "seek": (bool,)}, {"passes": (bool,)},
-              {"confirm": (bool,)}, {"ack_end": (bool,)}),
+              {"confirm": (bool,)}, {"ack_end": (bool,)},
+              {"group_first": (int,), "group_shards": (int,)}),
     "end": ({"reason": (str,), "detail": (str,)}, {"bad": (int,), "bad_first": (str,)}),
     "welcome": ({"shm_socket": (str,), "shm_token": (str,), "shm_slots": (int,)},
                 {"start": (int,), "skip": (list,)},
@@ -162,6 +167,8 @@ _INT_RANGE = {
     "shm_slots": (1, 4097),
     "shard": (0, MAX_SHARDS),
     "shards": (1, MAX_SHARDS + 1),
+    "group_first": (0, MAX_SHARDS),
+    "group_shards": (1, MAX_SHARDS + 1),
     "start": (0, 2**63),
     "pass": (0, 2**31),
     "pass_start": (0, 2**63),
@@ -362,6 +369,14 @@ def shard_of_hello(header: Mapping[str, Any]) -> tuple[int, int, bool] | None:
     if "shard" not in header:
         return None
     return header["shard"], header["shards"], header["seek"]
+
+
+def group_of_hello(header: Mapping[str, Any]) -> range | None:
+    """The shards of the hello's ``produce`` command (``group_first``, ``group_shards``), else
+    None. Whether the hello's own shard is among them is the trainer's check."""
+    if "group_first" not in header:
+        return None
+    return range(header["group_first"], header["group_first"] + header["group_shards"])
 
 
 def passes_of_welcome(header: Mapping[str, Any]) -> tuple[int, int, int] | None:

@@ -79,6 +79,13 @@ def worker_info(options: ProducerOptions, index: int) -> WorkerInfo:
     return WorkerInfo(shard, groups * options.workers, producer_id(shard), options.seed + shard)
 
 
+def group_fields(options: ProducerOptions) -> dict[str, int]:
+    """The hello's ``group_first``/``group_shards``: the shards of this ``produce`` command
+    (``worker_info``), which a cluster worker waits for once one of them delivered."""
+    group, _ = options.shard_group
+    return {"group_first": group * options.workers, "group_shards": options.workers}
+
+
 class _ParentWatch:
     """The worker's stop condition: the pool's shared flag, a signal to this process, or the
     death of the parent (no orphans left running).
@@ -216,7 +223,8 @@ def _produce_once(
     channel = make_channel(
         options, worker.producer_id, configure,
         hello_fields={"shard": worker.index, "shards": worker.count, "session": session,
-                      "seek": is_seekable(factory), "confirm": True, **passes},
+                      "seek": is_seekable(factory), "confirm": True, **passes,
+                      **group_fields(options)},
     )  # fmt: skip
     name = worker.producer_id
     failure: ConfigError | BrokenError | None = None

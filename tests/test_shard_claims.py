@@ -37,9 +37,10 @@ class Enqueued:
         return True
 
 
-def _intake(schema=SCHEMA, books: bool = True, enqueue=None, **options) -> Intake:
+def _intake(schema=SCHEMA, books: bool = True, enqueue=None, joined_only: bool = False,
+            **options) -> Intake:  # fmt: skip
     enqueue = enqueue or Recorder()
-    ledger = Ledger(shards=ShardBooks() if books else None)
+    ledger = Ledger(shards=ShardBooks(joined_only=joined_only) if books else None)
     opts = TrainerOptions(bind="tcp://127.0.0.1:*", schema=schema, queue_mb=1,
                           producer_timeout_s=60.0, **options)  # fmt: skip
     intake = Intake(opts, schema, enqueue, ledger).start()
@@ -205,6 +206,40 @@ def test_an_end_counts_only_from_the_owner_at_the_shards_reach(peers):
     genuine.send(protocol.encode_control("end", seq=3))
     _wait(lambda: books.position().of(0).end == 3, "the genuine end booked")
     assert books.missing() == {}
+
+
+def test_a_cluster_worker_waits_for_the_other_shards_of_a_produce_command_that_joined(peers):
+    """A cluster worker waits only for shards that joined it (``joined_only``). Before: shard
+    0 of a ``produce --workers 2`` delivered and ended before shard 1 connected, and the
+    worker's data had ended: shard 1, connecting later, was stranded. Its hello's group
+    (``group_first``, ``group_shards``) now names both, and the worker waits for shard 1."""
+    intake = _intake(joined_only=True)
+    books = intake.ledger.shards
+    first = peers(intake)
+    assert _hello(first, 0, 2, group_first=0, group_shards=2)["t"] == "welcome"
+    _send(first, [0, 1])
+    first.send(protocol.encode_control("end", seq=2))
+    _wait(lambda: books.position().of(0).end == 2, "shard 0's end booked")
+    assert books.missing() == {1: 0}
+    time.sleep(0.5)  # the intake looks at the end of the data after every message
+    assert not intake.data_ended()
+    assert "1" not in books.position().to_dict()["streams"]  # expected, not in the position
+    late = peers(intake)
+    assert _hello(late, 1, 2, group_first=0, group_shards=2)["t"] == "welcome"
+    _send(late, [0, 1])
+    late.send(protocol.encode_control("end", seq=2))
+    _wait(intake.data_ended, "the data ended once shard 1 ended too")
+    assert books.missing() == {}
+
+
+@pytest.mark.parametrize(("shard", "shards", "first", "count"), [(2, 4, 0, 2), (1, 2, 0, 3)],
+                         ids=["shard-outside", "group-past-shards"])  # fmt: skip
+def test_a_hello_whose_group_does_not_hold_its_shard_is_refused(peers, shard, shards, first,
+                                                                count):  # fmt: skip
+    intake = _intake(joined_only=True)
+    refused = _hello(peers(intake), shard, shards, group_first=first, group_shards=count)
+    assert refused["t"] == "refused" and refused["reason"] == "shard", refused
+    assert f"is not in its group {first}..{first + count - 1}" in refused["detail"]
 
 
 @pytest.mark.parametrize("save", [True, False], ids=["save", "no-save"])

@@ -20,7 +20,7 @@ from stagefeed.cli import build_parser
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import ProducerOptions
 from stagefeed.common.position import MAX_SHARDS
-from stagefeed.producer.worker import worker_info
+from stagefeed.producer.worker import group_fields, worker_info
 from tests.conftest import cli_env, free_tcp_port, run_cli
 from tests.helpers.procs import log_text
 from tests.helpers.resume_models import counts_in, miscounted, stream
@@ -42,6 +42,16 @@ def test_worker_info_is_the_global_shard_and_seed():
     # The default is the only group: shard i of N, as before --shard-group.
     alone = worker_info(ProducerOptions(workers=3, seed=10), 2)
     assert (alone.index, alone.count, alone.seed) == (2, 3, 12)
+
+
+def test_each_hello_names_the_shards_of_its_produce_command():
+    """The group a cluster worker waits for once one of its shards delivered (the hello's
+    ``group_first``/``group_shards``): exactly the shards ``worker_info`` gives the command."""
+    for group in (0, 1):
+        options = ProducerOptions(workers=3, shard_group=(group, 2))
+        fields = group_fields(options)
+        block = range(fields["group_first"], fields["group_first"] + fields["group_shards"])
+        assert list(block) == [worker_info(options, i).index for i in range(3)]
 
 
 def test_the_flag_and_its_variable_give_the_group(monkeypatch):

@@ -64,8 +64,11 @@ class ShardBooks:
             self.saved(resumed)
         self._in_flight: dict[int, set[int]] = {}
         # Shards whose producer joined here. A cluster worker is fed only some shards (each
-        # shard feeds one worker): its ``missing`` looks at those alone (``joined_only``).
+        # shard feeds one worker): its ``missing`` looks at those alone (``joined_only``), and
+        # at the other shards of their ``produce`` commands (``expected``), which may connect
+        # after their siblings ended.
         self.joined: set[int] = set()
+        self.expected: set[int] = set()
         self.joined_only = joined_only
 
     @property
@@ -81,9 +84,12 @@ class ShardBooks:
                 return f"shard {shard} of {shards} is not a shard"
             return self._other_count(shard, shards)
 
-    def settle(self, shard: int, shards: int, seekable: bool) -> str | None:
+    def settle(
+        self, shard: int, shards: int, seekable: bool, group: range | None = None
+    ) -> str | None:
         """A batch of ``shard`` of ``shards`` is about to be admitted: the first one settles the
-        shard count (unless a resumed checkpoint did); None, else why the batch is refused."""
+        shard count (unless a resumed checkpoint did); None, else why the batch is refused.
+        ``group``: the shards of its ``produce`` command, expected here from then on."""
         with self._lock:
             if self._position.shards == 0:
                 self._position.shards = shards
@@ -99,6 +105,7 @@ class ShardBooks:
                     "only if the source replays the same batches)", shard,
                 )  # fmt: skip
             self.joined.add(shard)
+            self.expected.update(group or ())
             return None
 
     def _other_count(self, shard: int, shards: int) -> str | None:
@@ -162,12 +169,16 @@ class ShardBooks:
 
     def missing(self) -> dict[int, int]:
         """Shards not complete: their first batch neither trained nor in flight (known
-        shards only, or with ``joined_only`` those that joined here; {} while none is)."""
+        shards only, or with ``joined_only`` those that joined here and the rest of their
+        ``produce`` commands; {} while none is)."""
         with self._lock:
             out = {}
-            shards = sorted(self.joined) if self.joined_only else range(self._position.shards)
+            shards = (
+                sorted(self.joined | self.expected) if self.joined_only
+                else range(self._position.shards)
+            )  # fmt: skip
             for shard in shards:
-                stream = self._position.of(shard)
+                stream = self._position.streams.get(shard, StreamPosition())
                 start = self._accepted(shard).next
                 if stream.end is None or start < stream.end:
                     out[shard] = start
@@ -203,8 +214,8 @@ class ShardBooks:
             return accepted.next, accepted.ranges()
 
     def _accepted(self, shard: int) -> StreamPosition:
-        """Trained or in flight (lock held)."""
-        stream = self._position.of(shard)
+        """Trained or in flight (lock held); adds no stream to the position."""
+        stream = self._position.streams.get(shard, StreamPosition())
         accepted = StreamPosition(stream.next, set(stream.above))
         for seq in self._in_flight.get(shard, ()):
             accepted.add(seq)

@@ -69,7 +69,7 @@ class Shards:
         """``(booked, passing)``: the shard a hello names for the input position and as a
         passing producer (None: not); None if the hello is refused (sent and booked)."""
         named = protocol.shard_of_hello(header)
-        shard = self._shard(router, routing_id, name, named)
+        shard = self._shard(router, routing_id, name, named, header)
         passing = shard is not False and self._passing(router, routing_id, name, header, named)
         if shard is False or passing is False:
             return None
@@ -84,6 +84,7 @@ class Shards:
         named = protocol.shard_of_hello(header)
         if named is not None:
             conn.claim, conn.session = named, session
+            conn.group = protocol.group_of_hello(header)
             self._owners[named[0]] = conn.routing_id
 
     def owns(self, conn: Connection, shard: int) -> bool:
@@ -106,7 +107,9 @@ class Shards:
                               conn.index)  # fmt: skip
         return why is None
 
-    def _shard(self, router: zmq.Socket, routing_id: bytes, name: str, named: Any) -> Any:
+    def _shard(
+        self, router: zmq.Socket, routing_id: bytes, name: str, named: Any, header: dict
+    ) -> Any:
         """The shard a hello names (``named``: ``protocol.shard_of_hello``), admitted (None: it
         names none, or this trainer books no positions); False if it was refused (the refusal
         is sent and booked)."""
@@ -119,7 +122,7 @@ class Shards:
                             "(a resumed run may train them again)", name)  # fmt: skip
             return None
         shard, shards, _ = named
-        why = books.join(shard, shards)
+        why = books.join(shard, shards) or _group_problem(shard, shards, header)
         if why is None:
             return shard
         self._ledger.refused(name, DropReason.SHARD.value, why)
@@ -217,7 +220,7 @@ class Shards:
             return None
         shard, shards, seek = conn.claim
         books = self._ledger.shards
-        why = books.settle(shard, shards, seek) if books is not None else None
+        why = books.settle(shard, shards, seek, conn.group) if books is not None else None
         if why is None and conn.shard is not None:
             why = self.passes.settle(shard, shards)
         return why
@@ -258,3 +261,11 @@ def routable(router: zmq.Socket, routing_id: bytes) -> bool:
     finally:
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
     return True
+
+
+def _group_problem(shard: int, shards: int, header: dict) -> str | None:
+    """Why a hello's ``group_first``/``group_shards`` do not hold its shard within ``shards``."""
+    group = protocol.group_of_hello(header)
+    if group is None or (shard in group and group.stop <= shards):
+        return None
+    return f"shard {shard} of {shards} is not in its group {group.start}..{group.stop - 1}"

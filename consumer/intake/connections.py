@@ -40,6 +40,7 @@ class Connection:
     # (shard, shards, seekable) its hello named, admitted: it owns that shard while it lives
     # (consumer/intake/claims.py); None: it names no shard, or none is booked
     claim: tuple[int, int, bool] | None = None
+    group: range | None = None  # the shards of its ``produce`` command (its hello's group)
     session: str | None = None  # its producer run's secret token (consumer/books/ledger.py)
     confirm: bool = False  # welcomed with ``confirm``: told ``saved`` once its shard is saved
     ack_end: bool = False  # its hello said ``ack_end``: told ``ended`` once its ``end`` is read
