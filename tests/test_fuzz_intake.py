@@ -61,10 +61,13 @@ class Rig:
     def __init__(self, shm_socket: str) -> None:
         self.ledger = Ledger()
         self.recorder = Recorder()
-        # 4 enqueue threads: a pool of 6 credits, 2 for each long-lived peer below.
+        # 4 enqueue threads: a pool of 6 credits, 2 for each long-lived peer below. Those peers
+        # are silent while the module's other tests run (under load, past the default 10 s of
+        # --producer-timeout-s: CI saw the shm sender forgotten, its shm_batch dropped as
+        # no_hello), so a silent connection is kept for the whole module.
         options = TrainerOptions(
             bind="tcp://127.0.0.1:*", schema=SCHEMA, queue_mb=1, enqueue_threads=4,
-            transport="shm", shm_socket=shm_socket,
+            transport="shm", shm_socket=shm_socket, producer_timeout_s=3600.0,
         )  # fmt: skip
         self.intake = Intake(options, SCHEMA, self.recorder, self.ledger).start()
         self.ctx = zmq.Context()
