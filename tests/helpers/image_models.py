@@ -5,6 +5,8 @@ schema (tests/helpers/procs.py), a graph step of known length at almost no CPU."
 
 from __future__ import annotations
 
+from tests.helpers.regression_models import sleeping_step
+
 
 def tiny(schema):
     """Flatten and one dense layer: a step costs nothing next to starting TensorFlow."""
@@ -35,13 +37,4 @@ def paced_fn(staged, schema):
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=staged["labels"], logits=colours @ weights))  # fmt: skip
     train_op = v1.train.GradientDescentOptimizer(0.01).minimize(loss)
-
-    def _sleep(value):
-        import time
-
-        time.sleep(PACED_STEP_S)
-        return value
-
-    slept = tf.numpy_function(_sleep, [loss], tf.float32, stateful=True)
-    with tf.control_dependencies([slept]):
-        return tf.identity(loss), tf.group(train_op, slept)
+    return sleeping_step(loss, train_op, PACED_STEP_S)

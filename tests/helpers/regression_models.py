@@ -61,14 +61,18 @@ def slow_linear_fn(staged, schema):
     """``linear_fn`` whose every step also sleeps ``STEP_SLEEP_S``: a step in progress when a
     stop signal comes lasts that long at least, whatever the machine's load, so signals sent
     just after the first surely land while the command is still stopping."""
-    import tensorflow as tf
+    return sleeping_step(*linear_fn(staged, schema), STEP_SLEEP_S)
 
-    loss, train_op = linear_fn(staged, schema)
+
+def sleeping_step(loss, train_op, seconds: float):
+    """A graph step ``(loss, train_op)`` that also sleeps ``seconds``: its length known,
+    whatever the machine's load, at no CPU."""
+    import tensorflow as tf
 
     def _sleep(value):
         import time
 
-        time.sleep(STEP_SLEEP_S)
+        time.sleep(seconds)
         return value
 
     slept = tf.numpy_function(_sleep, [loss], tf.float32, stateful=True)
