@@ -155,8 +155,9 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
 # session-scoped fixture: kept on one xdist worker. ``test_conftest_groups`` fails when a test
 # file with such a fixture is missing here.
 SHARED_PROCESS_GROUPS = frozenset({
-    "hostile_input", "test_dataset_mirrored.py", "test_faults.py", "test_fuzz_intake.py",
-    "test_k8s.py", "test_shm_hostile.py", "test_signals.py", "test_state_files.py",
+    "hostile_input", "test_cluster_runs.py", "test_dataset_mirrored.py", "test_faults.py",
+    "test_fuzz_intake.py", "test_k8s.py", "test_shm_hostile.py", "test_signals.py",
+    "test_state_files.py",
 })  # fmt: skip
 
 

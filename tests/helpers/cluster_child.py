@@ -2,19 +2,24 @@
 
 ``python -m tests.helpers.cluster_child '{json settings}'`` with ``TF_CONFIG`` set (or without, for
 ``"reference": true``: one process training the same steps on the workers' batches put
-together, the figures the cluster must match). Prints ``STEP n loss`` after each step and one
-``RESULT {json}`` line at the end; a ``NonFiniteLoss`` is reported in the result (exit 4).
+together, the figures the cluster must match). Settings: ``runs`` (a list of run settings,
+trained one after the other by the same cluster, each with a model of its own),
+``timeout_s`` (collectives) and ``heartbeat_s``. Prints ``RUN r`` when run ``r`` starts,
+``STEP n loss`` after each step and one ``RESULT {json}`` line at the end of each run (with its
+``run`` and its exit ``code``); the process exits with the last run's code. Runs share one
+cluster because starting one costs two TensorFlow processes: a run ends in a verdict both
+workers reach at the same step, so the next starts in step on both.
 
-Settings: ``steps`` (budget, 0: none), ``batch`` (per worker, may differ between workers),
-``workers`` (for the reference), ``end_at`` (this worker's data has that many batches),
-``stop_at`` (vote STOP once that many steps are done), ``nan_at`` (the batch of that step,
-1-based, holds a NaN), ``step_sleep`` (seconds after each step), ``stall_at`` and
-``stall_s`` (sleep that long after that step), ``timeout_s`` (collectives), ``heartbeat_s``.
-A ``BrokenError`` (the cluster lost a worker) is reported in the result, exit 3.
+Run settings: ``steps`` (budget, 0: none), ``batch`` (per worker, may differ between workers),
+``end_at`` (this worker's data has that many batches), ``stop_at`` (vote STOP once that many
+steps are done), ``nan_at`` (the batch of that step, 1-based, holds a NaN), ``step_sleep``
+(seconds after each step), ``stall_at`` and ``stall_s`` (sleep that long after that step).
+A ``NonFiniteLoss`` is reported in the result (code 4); a ``BrokenError`` (the cluster lost a
+worker) too (code 3), and it ends the runs: a broken cluster trains nothing more.
 ``"feed": true``: the worker's batches go through its own stagefeed ``Feed`` (a filler thread
 enqueues them and closes the feed after ``end_at``), read with ``feed.dataset(strategy=...)``
 and booked step by step, as the trainer will.
-SIGTERM sets the local stop, as the trainer's signal handling does.
+SIGTERM sets the local stop of the run in progress, as the trainer's signal handling does.
 """
 
 from __future__ import annotations
@@ -69,8 +74,8 @@ def build() -> keras.Model:
     return model
 
 
-def dataset(worker: int, size: int) -> tf.data.Dataset:
-    end_at, nan_at = SETTINGS.get("end_at"), SETTINGS.get("nan_at")
+def dataset(run: dict, worker: int, size: int) -> tf.data.Dataset:
+    end_at, nan_at = run.get("end_at"), run.get("nan_at")
 
     def make(step: int) -> tuple[np.ndarray, np.ndarray]:
         return batch(worker, int(step), size, nan=nan_at is not None and int(step) + 1 == nan_at)
@@ -83,7 +88,7 @@ def dataset(worker: int, size: int) -> tf.data.Dataset:
     ).map(lambda x, y: (tf.ensure_shape(x, (size, 4)), tf.ensure_shape(y, (size,))))
 
 
-def feed_iterator(strategy: tf.distribute.Strategy, worker: int, size: int):
+def feed_iterator(run: dict, strategy: tf.distribute.Strategy, worker: int, size: int):
     """The worker's batches through a ``Feed``: (iterator, feed, filler)."""
     from examples.filler import ThreadFiller
     from stagefeed.common.schema import ArraySpec, Schema
@@ -91,7 +96,7 @@ def feed_iterator(strategy: tf.distribute.Strategy, worker: int, size: int):
 
     schema = Schema((ArraySpec("x", "float32", (4,)), ArraySpec("y", "int32", ())), size)
     feed = Feed(schema, 4, stage_depth=1)
-    end_at, nan_at = SETTINGS.get("end_at"), SETTINGS.get("nan_at")
+    end_at, nan_at = run.get("end_at"), run.get("nan_at")
     steps = range(end_at) if end_at is not None else iter(int, 1)  # endless without end_at
 
     def batches():
@@ -107,12 +112,12 @@ def weights(model: keras.Model) -> list[list[float]]:
     return [np.asarray(w).ravel().tolist() for w in model.get_weights()]
 
 
-def reference() -> dict:
+def reference(run: dict) -> dict:
     """One process, no strategy: each step trains on every worker's batch put together."""
     model = build()
-    sizes = SETTINGS["batch"] if isinstance(SETTINGS["batch"], list) else [SETTINGS["batch"]] * 2
+    sizes = run["batch"] if isinstance(run["batch"], list) else [run["batch"]] * 2
     losses, history = [], []
-    for step in range(SETTINGS["steps"]):
+    for step in range(run["steps"]):
         parts = [batch(w, step, size) for w, size in enumerate(sizes)]
         x, y = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         logs = model.train_on_batch(x, y, return_dict=True)  # Keras' own step
@@ -121,27 +126,27 @@ def reference() -> dict:
     return {"weights": weights(model), "losses": losses, "history": history}
 
 
-def worker() -> dict:
+def worker(run: dict) -> dict:
     from stagefeed.consumer.cluster.collective_stop import distribute
     from stagefeed.consumer.cluster.loop import train
 
     strategy = CLUSTER.strategy
-    size = SETTINGS["batch"]
+    size = run["batch"]
     if isinstance(size, list):
         size = size[CLUSTER.index]
     with strategy.scope():
         model = build()
     initial = weights(model)
     feed = None
-    if SETTINGS.get("feed"):
-        iterator, feed, filler = feed_iterator(strategy, CLUSTER.index, size)
+    if run.get("feed"):
+        iterator, feed, filler = feed_iterator(run, strategy, CLUSTER.index, size)
         feed.books.begin()
     else:
-        iterator = iter(distribute(strategy, lambda context: dataset(CLUSTER.index, size)))
+        iterator = iter(distribute(strategy, lambda context: dataset(run, CLUSTER.index, size)))
     losses: list[float] = []
     history: list[dict] = []
     step_times: list[float] = []
-    stop_at = SETTINGS.get("stop_at")
+    stop_at = run.get("stop_at")
 
     def local() -> Ending:
         if stop_at is not None and len(losses) >= stop_at:
@@ -157,14 +162,14 @@ def worker() -> dict:
         print(f"STEP {step} {step_figures['loss']} {time.time():.2f}", flush=True)
         if not np.isfinite(step_figures["loss"]):
             raise NonFiniteLoss(step, step_figures["loss"])
-        time.sleep(SETTINGS.get("step_sleep", 0))
-        if step == SETTINGS.get("stall_at"):
-            time.sleep(SETTINGS["stall_s"])
+        time.sleep(run.get("step_sleep", 0))
+        if step == run.get("stall_at"):
+            time.sleep(run["stall_s"])
 
     result: dict = {"index": CLUSTER.index, "chief": CLUSTER.chief, "replicas": CLUSTER.replicas,
                     "initial": initial}  # fmt: skip
     try:
-        end = train(strategy, model, iterator, steps=SETTINGS.get("steps", 0), local=local,
+        end = train(strategy, model, iterator, steps=run.get("steps", 0), local=local,
                     after_step=after_step)  # fmt: skip
         result.update(steps=end.steps, ending=end.verdict.ending.name, reason=end.verdict.reason,
                       votes=[v.name for v in end.verdict.votes])  # fmt: skip
@@ -184,12 +189,22 @@ def worker() -> dict:
     return result
 
 
+def code_of(result: dict) -> int:
+    return 4 if "non_finite" in result else 3 if "broken" in result else 0
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: STOP.set())
-    result = reference() if SETTINGS.get("reference") else worker()
-    print("RESULT " + json.dumps(result), flush=True)
+    code = 0
+    for index, run in enumerate(SETTINGS["runs"]):
+        print(f"RUN {index}", flush=True)
+        result = reference(run) if SETTINGS.get("reference") else worker(run)
+        code = code_of(result)
+        print("RESULT " + json.dumps({**result, "run": index, "code": code}), flush=True)
+        if "broken" in result:
+            break
     sys.stdout.flush()
-    return 4 if "non_finite" in result else 3 if "broken" in result else 0
+    return code
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ STARTS = re.compile(
 HEAVY_MODULE = re.compile(
     r"^(import|from) (tensorflow|keras|examples|stagefeed\.consumer|"
     r"tests(\.helpers\.|\.helpers import |\.)"
-    r"(model_fit|procs|shm_procs|peer|standin_trainer|cluster_child|dataset_mirrored_child|"
+    r"(model_fit|procs|shm_procs|peer|standin_trainer|cluster_child|cluster_workers|dataset_mirrored_child|"
     r"regression_models|resume_models|passes_models|model_kinds|run_length_models|hostile))\b",
     re.MULTILINE,
 )
