@@ -161,6 +161,7 @@ SHARED_PROCESS_GROUPS = frozenset({
 })  # fmt: skip
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the marks into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep what shares a started process on one xdist worker (``make test`` runs two, with
     ``--dist loadgroup``): a module's tests share its module-scoped trainers, and a package's
