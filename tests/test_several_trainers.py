@@ -2,8 +2,8 @@
 batch trained by exactly one trainer, none lost, both fed; one trainer killed mid-run, the
 producers report it by endpoint and keep the other training.
 
-The trainers run the tiny regression (tests/helpers/regression_models.py) in graph mode: the feed is
-under test, not the model.
+The trainers run the tiny regression (tests/helpers/regression_models.py) in graph mode, at a
+known pace: the feed is under test, not the model.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from tests.helpers import procs
 
 pytestmark = pytest.mark.slow
 
+# A queue of 2 batches and a step of 0.1 s: a trainer takes batches no faster than it trains, so
+# both are fed by construction (one alone would need 8 s for 80 batches; under load, a fast one
+# once took all of a producer's batches before the other's welcome came).
 REGRESSION = [
     "--schema", "tests.helpers.regression_models:SCHEMA", "--batch-size", "4",
-    "--model", "tests.helpers.regression_models:linear_fn",
+    "--model", "tests.helpers.regression_models:paced_linear_fn", "--queue-batches", "2",
 ]  # fmt: skip
 STARTUP_S = 120
 

@@ -54,6 +54,7 @@ def linear_fn(staged, schema):
     return loss, v1.train.GradientDescentOptimizer(0.1).minimize(loss)
 
 
+PACED_STEP_S = 0.1
 STEP_SLEEP_S = 2.0
 
 
@@ -62,6 +63,13 @@ def slow_linear_fn(staged, schema):
     stop signal comes lasts that long at least, whatever the machine's load, so signals sent
     just after the first surely land while the command is still stopping."""
     return sleeping_step(*linear_fn(staged, schema), STEP_SLEEP_S)
+
+
+def paced_linear_fn(staged, schema):
+    """``linear_fn`` whose every step also sleeps ``PACED_STEP_S``: a trainer that takes batches
+    at a known pace whatever the load, so a producer feeding two cannot give one all its batches
+    before the other's welcome comes (tests/test_several_trainers.py)."""
+    return sleeping_step(*linear_fn(staged, schema), PACED_STEP_S)
 
 
 def sleeping_step(loss, train_op, seconds: float):
