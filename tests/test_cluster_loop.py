@@ -5,7 +5,6 @@ runs that end in a verdict share one cluster: tests/test_cluster_runs.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers.cluster_workers import RUN_TIMEOUT_S, Workers
+from tests.helpers.cluster_workers import RUN_TIMEOUT_S, Workers, results_in
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +92,7 @@ def test_a_killed_worker_fails_the_other_with_one_line_in_bounded_time(
         pytest.fail(f"worker {1 - victim} still running {within_s} s after its peer's SIGKILL:\n"
                     f"{group.output(1 - victim)[-3000:]}")  # fmt: skip
     elapsed = time.monotonic() - killed_at
-    result = json.loads(group.output(1 - victim).split("RESULT ", 1)[1].splitlines()[0])
+    result = results_in(group.output(1 - victim))[0]
     assert code == 3 and result["broken"].startswith("cluster broken after step ")
     assert cause in result["broken"] and result["broken"].endswith("restart every worker")
     assert "\n" not in result["broken"]

@@ -19,6 +19,12 @@ from tests.conftest import REPO, cli_env, free_tcp_port
 RUN_TIMEOUT_S = 150  # two TensorFlow processes on two shared cores
 
 
+def results_in(output: str) -> list[dict]:
+    """The ``RESULT {json}`` lines a ``cluster_child`` printed, one per run, in order."""
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    return [json.loads(line.removeprefix("RESULT ")) for line in lines]
+
+
 class Workers:
     """Two ``tests.helpers.cluster_child`` processes of one cluster, each in its own process
     group; ``settings`` are each worker's (``runs`` and the cluster's own settings)."""
@@ -56,8 +62,7 @@ class Workers:
             except subprocess.TimeoutExpired:
                 pytest.fail(f"worker {index} still running after {timeout} s:\n"
                             f"{self.output(index)[-3000:]}")  # fmt: skip
-            lines = [line for line in self.output(index).splitlines() if line.startswith("RESULT ")]
-            results = [json.loads(line.removeprefix("RESULT ")) for line in lines]
+            results = results_in(self.output(index))
             assert results, f"worker {index} exit {code}, no result:\n{self.output(index)[-3000:]}"
             done.append((code, results))
         return done
@@ -80,6 +85,6 @@ def references(runs: list[dict]) -> list[dict]:
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=cli_env(), cwd=REPO,
         check=False,
     )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and len(lines) == len(runs), done.stderr[-3000:]
-    return [json.loads(line.removeprefix("RESULT ")) for line in lines]
+    results = results_in(done.stdout)
+    assert done.returncode == 0 and len(results) == len(runs), done.stderr[-3000:]
+    return results
