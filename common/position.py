@@ -28,6 +28,11 @@ pass ``k`` is batches ``passes[k-1]..passes[k]-1``.
 ``approximate`` lists the shards whose source could not seek (the producer fast-forwarded
 it): their position is exact only if that source replays the same batches.
 
+``order`` (a key only when the producers said it: a ``MapSource``) is the data's order
+(``common.data_order.DataOrder``): it says which records each batch of each shard holds, so
+the position can be dealt out to another shard count (``consumer.books.redeal``) and a
+producer of another dataset, seed or shuffle setting is refused.
+
 Read back from a file (``from_dict``), every number is checked: a count in ``[0, MAX_SEQ]``
 (far inside the wire's ``seq`` below 2**63 and TensorFlow's int64, and exact as a float), a
 shard key the ASCII digits of a shard in range; anything else is a ``ConfigError`` naming it.
@@ -42,6 +47,7 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeGuard
 
+from stagefeed.common.data_order import DataOrder
 from stagefeed.common.errors import ConfigError
 
 VERSION = 1
@@ -133,6 +139,7 @@ class InputPosition:
     shards: int
     streams: dict[int, StreamPosition] = dataclasses.field(default_factory=dict)
     approximate: set[int] = dataclasses.field(default_factory=set)
+    order: DataOrder | None = None
 
     def of(self, shard: int) -> StreamPosition:
         return self.streams.setdefault(shard, StreamPosition())
@@ -141,18 +148,23 @@ class InputPosition:
         """The union of two workers' books (the same shards)."""
         if other.shards != self.shards:
             raise ConfigError(f"cannot merge positions of {self.shards} and {other.shards} shards")
-        out = InputPosition(self.shards, approximate=self.approximate | other.approximate)
+        if self.order and other.order and self.order != other.order:
+            raise ConfigError(f"cannot merge positions of two orders: {self.order.describe()} "
+                              f"and {other.order.describe()}")  # fmt: skip
+        out = InputPosition(self.shards, approximate=self.approximate | other.approximate,
+                            order=self.order or other.order)  # fmt: skip
         for shard in set(self.streams) | set(other.streams):
             out.streams[shard] = self.of(shard).union(other.of(shard))
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "version": VERSION,
             "shards": self.shards,
             "approximate": sorted(self.approximate),
             "streams": {str(s): p.to_dict() for s, p in sorted(self.streams.items())},
         }
+        return {**out, "order": self.order.to_dict()} if self.order else out
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> InputPosition:
@@ -170,13 +182,35 @@ class InputPosition:
         if wrong:
             raise ConfigError(f"{where}: approximate shard {str(wrong[0])[:80]} is not in "
                               f"[0, {shards})")  # fmt: skip
-        out = cls(shards, approximate=set(approximate))
+        order = data.get("order")
+        out = cls(shards, approximate=set(approximate),
+                  order=None if order is None else DataOrder.from_dict(order, f"{where} order"))
         for key, value in streams.items():
             shard = _shard_key(key)
             if shard is None or shard >= shards:
                 raise ConfigError(f"{where}: shard {str(key)[:80]!r} is not in [0, {shards})")
             out.streams[shard] = StreamPosition.from_dict(value, f"{where} shard {key}")
         return out
+
+
+def epoch_of(position: InputPosition) -> int:
+    """The epochs a position has completed: every shard ended them and all of them is
+    trained (0 without pass ends)."""
+    epoch = 0
+    while position.shards and all(
+        len(position.of(s).passes) > epoch and position.of(s).next >= position.of(s).passes[epoch]
+        for s in range(position.shards)
+    ):
+        epoch += 1
+    return epoch
+
+
+def passes_trained(position: InputPosition) -> int | None:
+    """``epoch_of(position)`` for a position with pass ends (a source with passes); None
+    without any."""
+    if not any(s.passes for s in position.streams.values()):
+        return None
+    return epoch_of(position)
 
 
 def is_count(value: Any) -> TypeGuard[int]:

@@ -52,10 +52,9 @@ from collections.abc import Callable
 from typing import Any
 
 from stagefeed.common.options import TrainerOptions
-from stagefeed.common.position import InputPosition
+from stagefeed.common.position import InputPosition, passes_trained
 from stagefeed.consumer import resume
 from stagefeed.consumer.checkpoint_files import write_state
-from stagefeed.consumer.intake.passes import passes_trained
 
 log = logging.getLogger(__name__)
 

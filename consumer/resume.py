@@ -38,10 +38,9 @@ from typing import Any
 
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import TrainerOptions
-from stagefeed.common.position import COUNTS, InputPosition, is_count
+from stagefeed.common.position import COUNTS, InputPosition, is_count, passes_trained
 from stagefeed.common.schema import Schema
 from stagefeed.consumer.checkpoint_files import problem, read_state
-from stagefeed.consumer.intake.passes import passes_trained
 
 log = logging.getLogger(__name__)
 

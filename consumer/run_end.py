@@ -48,8 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from stagefeed.common.errors import ClosedError, ConfigError
-from stagefeed.common.position import InputPosition
-from stagefeed.consumer.intake.passes import passes_trained
+from stagefeed.common.position import InputPosition, passes_trained
 
 log = logging.getLogger(__name__)
 

@@ -216,6 +216,10 @@ def _produce_once(
     ``Rewind`` (what it held discarded) when a later welcome moved this shard."""
     configure = None
     passes = {"passes": True} if is_passing(factory) else {}
+    from stagefeed.producer.data.source import MapSource  # numpy only until it reads
+
+    # The data's order: a trainer may deal its checkpoint out to another producer count.
+    order = factory.hello_fields() if isinstance(factory, MapSource) else {}
     if options.curve_keys:
         from stagefeed.common.curve import client_configurator
 
@@ -224,7 +228,7 @@ def _produce_once(
         options, worker.producer_id, configure,
         hello_fields={"shard": worker.index, "shards": worker.count, "session": session,
                       "seek": is_seekable(factory), "confirm": True, **passes,
-                      **group_fields(options)},
+                      **group_fields(options), **order},
     )  # fmt: skip
     name = worker.producer_id
     failure: ConfigError | BrokenError | None = None

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from stagefeed.common.errors import ConfigError
-from stagefeed.common.position import InputPosition, StreamPosition
-from stagefeed.consumer.intake.passes import PassBooks, epoch_of
+from stagefeed.common.position import InputPosition, StreamPosition, epoch_of
+from stagefeed.consumer.intake.passes import PassBooks
 
 
 def test_an_epoch_completes_only_when_every_shard_ended_its_pass():

@@ -16,7 +16,11 @@ the position holds exactly the batches whose effect is in that model.
   flight, and the ranges above it to skip.
 - the shard count is settled by the checkpoint resumed, else by the first batch admitted
   (``settle``), never by a hello (``join`` only checks a hello against it): a peer that says
-  hello and leaves fixes nothing;
+  hello and leaves fixes nothing; the data's order (``common.data_order``) likewise, and a
+  hello of another order is refused;
+- ``redeal(shards, order)``: a resumed position whose order is the hello's, with another
+  shard count, is dealt out to that count (``consumer.books.redeal``: elastic resume), as
+  long as no batch was admitted since the resume;
 - ``ended(shard, shards, n)`` books where a shard's stream ends, only at its reach (one past
   its last batch trained or in flight): a peer cannot end a stream it did not carry (its
   owner is checked by the intake, ``consumer.intake.claims``); ``complete()`` says whether every
@@ -38,8 +42,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from stagefeed.common.errors import DropReason
+from stagefeed.common.data_order import DataOrder
+from stagefeed.common.errors import ConfigError, DropReason
 from stagefeed.common.position import MAX_SHARDS, InputPosition, StreamPosition
+from stagefeed.consumer.books.redeal import redeal
 
 log = logging.getLogger(__name__)
 
@@ -70,34 +76,68 @@ class ShardBooks:
         self.joined: set[int] = set()
         self.expected: set[int] = set()
         self.joined_only = joined_only
+        self._admitted = False  # a batch was admitted: the shard count can no longer change
 
     @property
     def shards(self) -> int:
         """The shard count every hello must name (0: none seen yet, and not resumed)."""
         return self._position.shards
 
-    def join(self, shard: int, shards: int) -> str | None:
-        """A hello naming ``shard`` of ``shards``: None if it may join, else why not. A hello
-        settles nothing: the count is settled by the first batch (``settle``)."""
+    def join(self, shard: int, shards: int, order: DataOrder | None = None) -> str | None:
+        """A hello naming ``shard`` of ``shards`` and the data's ``order``: None if it may
+        join, else why not. A hello settles nothing: the first batch does (``settle``)."""
         with self._lock:
             if not 0 < shards <= MAX_SHARDS or not 0 <= shard < shards:
                 return f"shard {shard} of {shards} is not a shard"
-            return self._other_count(shard, shards)
+            return self._other_count(shard, shards) or self._other_order(order)
+
+    def redeal(self, shards: int, order: DataOrder | None) -> InputPosition | str | None:
+        """A hello names ``shards`` and ``order``: when the resumed position has another shard
+        count, deal it out to ``shards`` (``consumer.books.redeal``) and return the new
+        position; why it cannot be (a string); None when the count is the position's."""
+        with self._lock:
+            old = self._position
+            if self.resumed is None or old.shards in (0, shards) or not 0 < shards <= MAX_SHARDS:
+                return None
+            try:
+                if self._admitted:
+                    raise ConfigError(f"batches of its {old.shards} shards came first")
+                if order is None:
+                    raise ConfigError("this producer's source names no data order (a built-in "
+                                      "data source or a stagefeed.MapSource does)")  # fmt: skip
+                why = self._other_order(order)
+                if why is not None:
+                    raise ConfigError(why)
+                new = redeal(old, shards)
+            except ConfigError as exc:
+                return (f"this producer is one of {shards} shards; the checkpoint resumed has "
+                        f"{old.shards} and cannot be dealt out again: {exc}")  # fmt: skip
+            self._position = self.resumed = new
+            self._saved_ends = {}
+        self.saved(new)
+        log.info("the checkpoint's position of %d shards is dealt out to %d (elastic resume, "
+                 "%s): every record still trained once per epoch", old.shards, shards,
+                 new.order.describe() if new.order else "")  # fmt: skip
+        return new
 
     def settle(
-        self, shard: int, shards: int, seekable: bool, group: range | None = None
-    ) -> str | None:
+        self, shard: int, shards: int, seekable: bool, group: range | None = None,
+        order: DataOrder | None = None,
+    ) -> str | None:  # fmt: skip
         """A batch of ``shard`` of ``shards`` is about to be admitted: the first one settles the
-        shard count (unless a resumed checkpoint did); None, else why the batch is refused.
-        ``group``: the shards of its ``produce`` command, expected here from then on."""
+        shard count and the data's ``order`` (unless a resumed checkpoint did); None, else why
+        the batch is refused. ``group``: the shards of its ``produce`` command, expected here
+        from then on."""
         with self._lock:
             if self._position.shards == 0:
                 self._position.shards = shards
                 log.info("the run has %d shards (settled by its first batch, of shard %d)",
                          shards, shard)  # fmt: skip
-            why = self._other_count(shard, shards)
+            why = self._other_count(shard, shards) or self._other_order(order)
             if why is not None:
                 return why
+            if self._position.order is None and order is not None:
+                self._position.order = order
             if not seekable and shard not in self._position.approximate:
                 self._position.approximate.add(shard)
                 log.warning(
@@ -118,6 +158,16 @@ class ShardBooks:
             f"{self._position.shards} shards: the position cannot be mapped"
         )
 
+    def _other_order(self, order: DataOrder | None) -> str | None:
+        """Why a producer of ``order`` does not feed this run's position (lock held)."""
+        known = self._position.order
+        if known is None:
+            return None
+        if order is None:
+            return (f"this producer's source names no data order; the run's data is "
+                    f"{known.describe()}")  # fmt: skip
+        return known.differs(order)
+
     def admit(self, shard: int, seq: int) -> DropReason | None:
         """Book batch ``seq`` of ``shard`` as in flight; the reason to drop it instead."""
         with self._lock:
@@ -127,6 +177,7 @@ class ShardBooks:
             if seq in flying:
                 return DropReason.DUPLICATE
             flying.add(seq)
+            self._admitted = True
             return None
 
     def trained(self, shard: int, seq: int) -> None:
@@ -224,7 +275,8 @@ class ShardBooks:
     def position(self) -> InputPosition:
         """A copy of what was trained, for the checkpoint's state file."""
         with self._lock:
-            out = InputPosition(self._position.shards, approximate=set(self._position.approximate))
+            out = InputPosition(self._position.shards, approximate=set(self._position.approximate),
+                                order=self._position.order)  # fmt: skip
             for shard, stream in self._position.streams.items():
                 out.streams[shard] = StreamPosition(
                     stream.next, set(stream.above), stream.end, list(stream.passes)

@@ -18,7 +18,11 @@ shards by mistake meet the same rules as a hostile peer.
 - The count: a hello settles no shard count; the first batch does (``settle``: the
   ``ShardBooks`` and ``PassBooks`` of consumer/books/shard_books.py and
   consumer/intake/passes.py). A batch of a connection whose hello named another count is
-  dropped (``shard``) and the producer refused.
+  dropped (``shard``) and the producer refused. The data's order (``common.data_order``)
+  likewise: a hello of another order than the run's is refused (``shard``).
+- Elastic resume: a hello naming another count than the resumed checkpoint's, with the
+  checkpoint's order, before any batch, has the position dealt out to its count
+  (``ShardBooks.redeal``; ``PassBooks.redealt`` starts the passes from it).
 
 ``Shards`` applies these rules for ``consumer.intake.dispatch``. The intake thread is the only
 caller; nothing here is thread-safe.
@@ -33,7 +37,9 @@ from typing import Any
 import zmq
 
 from stagefeed.common import protocol
-from stagefeed.common.errors import DropReason, ProtocolError
+from stagefeed.common.data_order import order_of_hello
+from stagefeed.common.errors import ConfigError, DropReason, ProtocolError
+from stagefeed.common.position import InputPosition
 from stagefeed.common.throttle import LogThrottle
 from stagefeed.consumer.books.ledger import Ledger
 from stagefeed.consumer.intake.connections import Connection, Connections
@@ -53,8 +59,10 @@ class Shards:
         conns: Connections,
         no_passes: str,
         forget: Callable[[Connection], object],
+        batch_size: int,
     ) -> None:
         self._ledger = ledger
+        self._batch_size = batch_size  # the schema's: an order's batches are of this size
         self.passes = passes
         self._conns = conns
         self._no_passes = no_passes  # why a passing hello is refused here ("": it is not)
@@ -85,6 +93,7 @@ class Shards:
         if named is not None:
             conn.claim, conn.session = named, session
             conn.group = protocol.group_of_hello(header)
+            conn.order = order_of_hello(header, self._batch_size)  # checked by ``hello``
             self._owners[named[0]] = conn.routing_id
 
     def owns(self, conn: Connection, shard: int) -> bool:
@@ -122,7 +131,16 @@ class Shards:
                             "(a resumed run may train them again)", name)  # fmt: skip
             return None
         shard, shards, _ = named
-        why = books.join(shard, shards) or _group_problem(shard, shards, header)
+        try:
+            order = order_of_hello(header, self._batch_size)
+        except ConfigError as exc:
+            why: str | None = str(exc)
+        else:
+            redealt = books.redeal(shards, order)
+            if isinstance(redealt, InputPosition):
+                self.passes.redealt(redealt)
+            why = redealt if isinstance(redealt, str) else None
+            why = why or books.join(shard, shards, order) or _group_problem(shard, shards, header)
         if why is None:
             return shard
         self._ledger.refused(name, DropReason.SHARD.value, why)
@@ -220,7 +238,10 @@ class Shards:
             return None
         shard, shards, seek = conn.claim
         books = self._ledger.shards
-        why = books.settle(shard, shards, seek, conn.group) if books is not None else None
+        why = (
+            books.settle(shard, shards, seek, conn.group, conn.order) if books is not None
+            else None
+        )  # fmt: skip
         if why is None and conn.shard is not None:
             why = self.passes.settle(shard, shards)
         return why

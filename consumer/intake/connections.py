@@ -21,6 +21,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stagefeed.common.data_order import DataOrder
 
 
 @dataclasses.dataclass
@@ -41,6 +45,7 @@ class Connection:
     # (consumer/intake/claims.py); None: it names no shard, or none is booked
     claim: tuple[int, int, bool] | None = None
     group: range | None = None  # the shards of its ``produce`` command (its hello's group)
+    order: DataOrder | None = None  # the data's order its hello named (common/data_order.py)
     session: str | None = None  # its producer run's secret token (consumer/books/ledger.py)
     confirm: bool = False  # welcomed with ``confirm``: told ``saved`` once its shard is saved
     ack_end: bool = False  # its hello said ``ack_end``: told ``ended`` once its ``end`` is read

@@ -85,7 +85,8 @@ class Dispatch:
         )  # fmt: skip
         resumed = ledger.shards.resumed if ledger.shards is not None else None
         self.passes = PassBooks(options.epochs, resumed)
-        self.shards = Shards(ledger, self.passes, self.conns, no_passes, self._forget)
+        self.shards = Shards(ledger, self.passes, self.conns, no_passes, self._forget,
+                             schema.batch_size)  # fmt: skip
         self._enqueued = enqueued  # batches enqueued so far (``Availability.enqueued``)
         # Ended connections welcomed with ``confirm``, not yet told ``saved``: (shard, end).
         self._unconfirmed: dict[bytes, tuple[int, int]] = {}

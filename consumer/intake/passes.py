@@ -29,29 +29,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from stagefeed.common.position import MAX_SHARDS, InputPosition
+from stagefeed.common.position import MAX_SHARDS, InputPosition, epoch_of
 
 log = logging.getLogger(__name__)
-
-
-def epoch_of(position: InputPosition) -> int:
-    """The epochs a position has completed: every shard ended them and all of them is
-    trained (0 without pass ends)."""
-    epoch = 0
-    while position.shards and all(
-        len(position.of(s).passes) > epoch and position.of(s).next >= position.of(s).passes[epoch]
-        for s in range(position.shards)
-    ):
-        epoch += 1
-    return epoch
-
-
-def passes_trained(position: InputPosition) -> int | None:
-    """``epoch_of(position)`` for a position with pass ends (a source with passes); None
-    without any."""
-    if not any(s.passes for s in position.streams.values()):
-        return None
-    return epoch_of(position)
 
 
 class PassBooks:
@@ -66,7 +46,18 @@ class PassBooks:
         self.first_epoch = 0  # the epoch this process started in (a resumed one's)
         # (epoch, batches this process had enqueued when all of that pass was)
         self.boundaries: list[tuple[int, int]] = []
-        if resumed is not None and any(s.passes for s in resumed.streams.values()):
+        if resumed is not None:
+            self._resume(resumed)
+
+    def redealt(self, resumed: InputPosition) -> None:
+        """The resumed position was dealt out to another shard count (elastic resume, before
+        any batch: ``ShardBooks.redeal``): start from it instead."""
+        with self._lock:
+            self.shards, self.ends, self.epoch, self.first_epoch = 0, {}, 0, 0
+            self._resume(resumed)
+
+    def _resume(self, resumed: InputPosition) -> None:
+        if any(s.passes for s in resumed.streams.values()):
             self.shards = resumed.shards
             self.epoch = self.first_epoch = epoch_of(resumed)
             # Ends of passes not all trained are said again by the producers that redo them.

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from stagefeed.common.data_order import MAX_SEED, hello_fields
 from stagefeed.common.data_ref import ON_BAD_RECORD
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import SHORT_BATCH
@@ -70,6 +71,8 @@ class MapSource:
                               f"got {short_batch!r}")  # fmt: skip
         if not len(records):
             raise ConfigError(f"{name or type(records).__name__}: no records")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.records = records
         self.name: str = name or str(getattr(records, "origin", type(records).__name__))
         self.shuffle, self.seed = shuffle, seed
@@ -78,6 +81,12 @@ class MapSource:
         self.bad = 0
         self.bad_shown: list[str] = []
         self._throttle = LogThrottle()
+
+    def hello_fields(self) -> dict[str, Any]:
+        """The data's order for the producer's hello (``common.data_order``): the trainer
+        keeps it with the position, refuses another, and deals a checkpoint out to another
+        producer count."""
+        return hello_fields(self.name, len(self.records), self.seed, self.shuffle)
 
     def sampler(self, batch_size: int) -> Sampler:
         """The sampler for batches of ``batch_size``; ``ConfigError`` when the records make

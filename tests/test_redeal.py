@@ -1,0 +1,154 @@
+"""Elastic resume: consumer/books/redeal.py (a position of k shards dealt out to k'),
+common/data_order.py (the data's order in the hello and the position), and the intake's rules
+for both (consumer/books/shard_books.py ``redeal``, consumer/intake/claims.py) over a real
+intake with raw DEALER peers. The kill -9 runs at 2, 3 and 1 producers are in
+tests/test_data_resume.py."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from stagefeed.common import protocol
+from stagefeed.common.data_order import DataOrder, hello_fields
+from stagefeed.common.errors import ConfigError, ProtocolError
+from stagefeed.common.options import TrainerOptions
+from stagefeed.common.position import InputPosition, StreamPosition, epoch_of
+from stagefeed.consumer.books.ledger import Ledger
+from stagefeed.consumer.books.redeal import redeal
+from stagefeed.consumer.books.shard_books import ShardBooks
+from stagefeed.consumer.intake.intake import Intake
+from tests import test_shard_claims
+from tests.test_intake import SCHEMA, Recorder
+from tests.test_shard_claims import _hello, _send
+
+peers = test_shard_claims.peers  # the fixture: raw DEALER peers, closed at teardown
+
+ORDER = DataOrder("npy:ids.npy", 96, 4, 5, True)  # 24 global batches an epoch
+
+
+def trained_records(position: InputPosition) -> set[tuple[int, int]]:
+    """``(epoch, global batch)`` of every batch the position names trained, read through the
+    order's deal: what a redeal must keep."""
+    out = set()
+    for shard, stream in position.streams.items():
+        per_epoch = ORDER.shard_batches(shard, position.shards)
+        for seq in [*range(stream.next), *sorted(stream.above)]:
+            out.add((seq // per_epoch, shard + (seq % per_epoch) * position.shards))
+    return out
+
+
+def random_position(rng: random.Random, shards: int) -> InputPosition:
+    """Some full epochs, then each shard part way into the next, a few batches above."""
+    done = rng.randint(0, 2)
+    position = InputPosition(shards, order=ORDER)
+    for shard in range(shards):
+        per_epoch = ORDER.shard_batches(shard, shards)
+        stream = StreamPosition(done * per_epoch + rng.randint(0, per_epoch - 1),
+                                passes=[per_epoch * (e + 1) for e in range(done)])  # fmt: skip
+        for _ in range(rng.randint(0, 3)):
+            stream.add(stream.next + rng.randint(1, per_epoch))
+        position.streams[shard] = stream
+    return position
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (1, 4), (4, 2), (5, 5), (24, 7), (2, 30)])
+def test_a_redeal_keeps_every_trained_batch_and_the_ended_epochs(old, new):
+    rng = random.Random(old * 100 + new)
+    for _ in range(30):
+        position = random_position(rng, old)
+        dealt = redeal(position, new)
+        assert dealt.shards == new and dealt.order == ORDER
+        assert trained_records(dealt) == trained_records(position)
+        assert epoch_of(dealt) == epoch_of(position)
+        assert trained_records(redeal(dealt, old)) == trained_records(position)
+        assert InputPosition.from_dict(dealt.to_dict(), "state") == dealt  # the file's form
+
+
+def test_a_redeal_of_two_shards_to_three_names_each_new_shards_batches():
+    # Shard 0 of 2 trained global 0, 2, 4 (its seqs 0..2), shard 1 of 2 global 1, 3 (0..1).
+    position = InputPosition(2, {0: StreamPosition(3), 1: StreamPosition(2)}, order=ORDER)
+    dealt = redeal(position, 3)
+    # Global 0..4 trained: shard 0 of 3 has 0, 3 (seqs 0, 1), shard 1 has 1, 4, shard 2 has 2.
+    assert {s: (p.next, p.above) for s, p in dealt.streams.items()} == {
+        0: (2, set()), 1: (2, set()), 2: (1, set())}  # fmt: skip
+    # Only shard 1 of 2's seq 1 (global 3): shard 0 of 3's seq 1 is trained, its seq 0 not.
+    alone = InputPosition(2, {1: StreamPosition(0, {1})}, order=ORDER)
+    assert redeal(alone, 3).streams[0].to_dict() == {"next": 0, "above": [1], "end": None}
+
+
+def test_what_cannot_be_dealt_out_again_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="no data order"):
+        redeal(InputPosition(2, {0: StreamPosition(3)}), 3)
+    with pytest.raises(ConfigError, match="approximate"):
+        redeal(InputPosition(2, approximate={1}, order=ORDER), 3)
+    wrong_pass = InputPosition(2, {0: StreamPosition(12, passes=[11])}, order=ORDER)
+    with pytest.raises(ConfigError, match="pass ends"):
+        redeal(wrong_pass, 3)
+
+
+def test_an_order_out_of_bounds_in_a_file_is_refused_naming_it():
+    good = ORDER.to_dict()
+    for bad in ({**good, "records": 0}, {**good, "seed": -1}, {**good, "shuffle": 1},
+                {**good, "batch_size": 97}, {**good, "source": ""}, {**good, "x": 1}):  # fmt: skip
+        with pytest.raises(ConfigError, match="state order"):
+            DataOrder.from_dict(bad, "state order")
+    assert "seed 5" in ORDER.differs(DataOrder("npy:ids.npy", 96, 4, 6, True))
+    assert ORDER.differs(DataOrder(**good)) is None
+
+
+def _resumed_intake(position: InputPosition) -> Intake:
+    ledger = Ledger(shards=ShardBooks(resumed=position))
+    options = TrainerOptions(bind="tcp://127.0.0.1:*", schema=SCHEMA, queue_mb=1,
+                             producer_timeout_s=60.0)  # fmt: skip
+    intake = Intake(options, SCHEMA, Recorder(), ledger).start()
+    intake.ledger = ledger
+    return intake
+
+
+def _order_fields(order: DataOrder) -> dict:
+    return hello_fields(order.source, order.records, order.seed, order.shuffle)
+
+
+def test_a_hello_of_another_count_and_the_same_order_gets_the_position_dealt_out(peers):
+    order = DataOrder("npy:ids.npy", 96, SCHEMA.batch_size, 5, True)
+    position = InputPosition(2, {0: StreamPosition(3), 1: StreamPosition(2)}, order=order)
+    intake = _resumed_intake(position)
+    welcome = _hello(peers(intake), 2, 3, **_order_fields(order))
+    assert welcome["t"] == "welcome" and welcome["start"] == 1  # global 2 was trained
+    assert intake.ledger.shards.position().shards == 3
+    first = peers(intake)
+    assert _hello(first, 0, 3, **_order_fields(order))["start"] == 2
+    _send(first, [2])
+    # A batch was admitted under 3 shards: a hello of 2 is refused, naming both counts.
+    late = _hello(peers(intake), 0, 2, **_order_fields(order))
+    assert late["t"] == "refused" and late["reason"] == "shard"
+    assert "cannot be dealt out again" in late["detail"] and "came first" in late["detail"]
+
+
+def test_a_producer_of_another_seed_or_without_an_order_is_refused_naming_the_runs(peers):
+    order = DataOrder("npy:ids.npy", 96, SCHEMA.batch_size, 5, True)
+    intake = _resumed_intake(InputPosition(2, {0: StreamPosition(3)}, order=order))
+    other = DataOrder("npy:ids.npy", 96, SCHEMA.batch_size, 6, True)
+    same_count = _hello(peers(intake), 0, 2, **_order_fields(other))
+    assert same_count["t"] == "refused" and same_count["reason"] == "shard"
+    assert "seed 6" in same_count["detail"] and "seed 5" in same_count["detail"]
+    assert _hello(peers(intake), 0, 3, **_order_fields(other))["t"] == "refused"
+    unordered = _hello(peers(intake), 1, 2)
+    assert unordered["t"] == "refused" and "names no data order" in unordered["detail"]
+    assert intake.ledger.shards.position().shards == 2  # nothing was dealt out
+
+
+def test_the_hellos_order_fields_are_checked_on_the_wire():
+    fields = _order_fields(ORDER)
+    hello = dict(name="p", schema=None, shard=0, shards=1, seek=True)
+    kinds = protocol.FROM_PRODUCER
+    header = protocol.decode_header(protocol.encode_control("hello", **hello, **fields), kinds)
+    assert header["order_records"] == 96
+    for bad in ({**fields, "order_seed": -1}, {**fields, "order_records": 0},
+                {k: v for k, v in fields.items() if k != "order_shuffle"}):  # fmt: skip
+        raw = msgpack.packb({"v": protocol.PROTOCOL_VERSION, "t": "hello", **hello, **bad})
+        with pytest.raises(ProtocolError, match="header_fields"):
+            protocol.decode_header(raw, kinds)
