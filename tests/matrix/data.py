@@ -2,8 +2,11 @@
 
 ``--schema tests.matrix.data:SCHEMA --source tests.matrix.data:rows``; graph mode ``--model
 tests.matrix.data:graph_counter``, Keras ``--model tests.matrix.data:keras_counter``. ``ROWS``
-rows, ``BATCH`` to a batch, ``PASSES`` passes (the source has passes: one per call, in an
-order that differs by pass, seekable). Shard ``i`` of ``n`` carries rows ``i, i+n, ...``.
+rows, ``BATCH`` to a batch, ``PASSES`` passes. ``rows`` is a ``stagefeed.MapSource`` over the
+arrays (what a user's data is: passes, a seeded shuffle per epoch, the data's order in the
+hello, so a checkpoint resumes at another producer count). ``stream`` (the cluster's: a
+cluster refuses sources with passes) is a user's generator: shard ``i`` of ``n`` carries rows
+``i, i+n, ...``, each pass in another order, all passes as one stream.
 After a complete run every row's count is ``PASSES``.
 
 The speed of a cell (``STAGEFEED_MATRIX_SPEED``, read by the source and the model, both user
@@ -22,6 +25,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+import stagefeed
 from stagefeed.common.schema import ArraySpec, Schema
 from tests.helpers import row_counters
 
@@ -54,8 +58,21 @@ def total_batches() -> int:
     return ROWS * PASSES // BATCH
 
 
-def rows(schema, worker) -> Iterator[dict[str, np.ndarray]]:
-    """Pass ``worker.epoch`` of the shard, from its batch ``worker.start``."""
+def _pace(record: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """``rows``' transform: a slow cell's producers take ``SLOW_BATCH_S`` a batch."""
+    if speed() == "slow":
+        time.sleep(SLOW_BATCH_S / BATCH)
+    return record
+
+
+ARRAYS = {"ids": np.arange(ROWS, dtype=np.int32), "x": np.ones(ROWS, np.float32)}
+rows = stagefeed.MapSource(stagefeed.ArrayRecords(ARRAYS), seed=3, transform=_pace,
+                           name="matrix rows")  # fmt: skip
+
+
+def _shard_pass(worker) -> Iterator[dict[str, np.ndarray]]:
+    """Pass ``worker.epoch`` of the shard (rows ``index, index+count, ...`` in an order drawn
+    from the pass), from its batch ``worker.start``."""
     mine = np.arange(ROWS, dtype=np.int32)[worker.index :: worker.count]
     order = np.random.default_rng(worker.epoch).permutation(len(mine) // BATCH)
     pause = SLOW_BATCH_S if speed() == "slow" else 0.0
@@ -64,17 +81,13 @@ def rows(schema, worker) -> Iterator[dict[str, np.ndarray]]:
         yield {"ids": mine[k * BATCH : (k + 1) * BATCH].copy(), "x": np.ones(BATCH, np.float32)}
 
 
-rows.passes = True  # type: ignore[attr-defined]
-rows.seekable = True  # type: ignore[attr-defined]
-
-
 def stream(schema, worker) -> Iterator[dict[str, np.ndarray]]:
     """The shard's passes one after the other as one stream, without passes (a cluster refuses
     sources with passes): batch ``k`` is batch ``k % per_pass`` of pass ``k // per_pass``."""
     per_pass = batches_per_pass(worker.count)
     for k in range(worker.start, per_pass * PASSES):
         one = dataclasses.replace(worker, epoch=k // per_pass, start=k % per_pass)
-        yield next(iter(rows(schema, one)))
+        yield next(_shard_pass(one))
 
 
 stream.seekable = True  # type: ignore[attr-defined]

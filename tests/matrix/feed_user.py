@@ -56,7 +56,7 @@ def _checkpoint(save: str, counts: np.ndarray, position: stagefeed.InputPosition
 def _options(args) -> stagefeed.TrainerOptions:
     return stagefeed.TrainerOptions(
         bind=args.bind, schema=data.SCHEMA, queue_mb=1, transport=args.transport,
-        shm_producers=2, producer_timeout_s=4, epochs=data.PASSES,
+        shm_producers=3, producer_timeout_s=4, epochs=data.PASSES,
     )  # fmt: skip
 
 

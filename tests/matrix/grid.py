@@ -25,6 +25,9 @@ PROMISES: dict[str, str] = {
     "exactly_once": "a complete run trains every row exactly E times",
     "exactly_once_across_kill": "with --save (or a saved position), across SIGINT, SIGTERM "
     "and kill -9, every row is trained exactly E times",
+    "exactly_once_elastic": "with a built-in data source or a MapSource, killed with 2 "
+    "producers and resumed with 3, every row is trained exactly E times (docs/resume.md, "
+    "Another producer count)",
     "finished_refused": "a finished run, run again, trains nothing more (the CLI, and a loop's "
     "ServedFeed resumed from its final position: refused in one line, exit 2; a cluster's "
     "other workers end after --cluster-join-timeout-s in one line, exit 3)",
@@ -69,7 +72,8 @@ SCENARIOS: dict[str, tuple[tuple[str, ...], str]] = {
     # its end, then run again.
     "chain": (
         ("stop_sigint", "stop_sigterm", "liveness", "length_follows_passes", "exactly_once",
-         "exactly_once_across_kill", "finished_refused", "nothing_left"),
+         "exactly_once_across_kill", "exactly_once_elastic", "finished_refused",
+         "nothing_left"),
         "*",
     ),  # fmt: skip
     "bad_source": (("bad_source",), "*-fast"),
@@ -96,6 +100,11 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     "is found finished: each fit is a new run",
     ("exactly_once_across_kill", "feed_fit-*"): "a fit on a ServedFeed has no saved position "
     "(docs/resume.md: a custom loop saves feed.position()); the CLI's Keras paths resume",
+    ("exactly_once_elastic", "feed_fit-*"): "a fit on a ServedFeed has no saved position to "
+    "deal out (as exactly_once_across_kill)",
+    ("exactly_once_elastic", "cluster-*"): "a cluster refuses sources with passes, so its "
+    "producers' source is a generator of the user's, whose position has no data order: it "
+    "resumes at its own count only (docs/resume.md, Limits)",
 }
 
 

@@ -68,6 +68,7 @@ class PathRun:
         self.producers: list[Started] = []
         self.started: list[Started] = []
         self.round = ""
+        self.producer_count = 2  # producers of one trainer (the elastic round makes it 3)
         workers = 2 if column.path == "cluster" else 1
         self.feeds = [f"tcp://127.0.0.1:{p}" for p in distinct_ports(workers)]
 
@@ -90,13 +91,14 @@ class PathRun:
                   "--warmup-steps", "0", "--progress-s", "2", "--queue-mb", "1",
                   "--checkpoint-every", str(CHECKPOINT_EVERY)]  # fmt: skip
         if path in ("graph_run", "keras_run"):
-            return ["run", "--producers", "2", "--transport", self._transport(),
+            return ["run", "--producers", str(self.producer_count),
+                    "--transport", self._transport(),
                     "--source", f"tests.matrix.data:{source}",
                     "--model", model or MODELS.get(path, KERAS), *common,
                     "--json", str(self.tmp / f"{self.round}.json")]  # fmt: skip
         if path == "train_produce":
             return ["train", "--bind", self.feeds[0], "--transport", self._transport(),
-                    "--shm-producers", "2", "--model", model or KERAS, *common,
+                    "--shm-producers", "3", "--model", model or KERAS, *common,
                     "--json", str(self.tmp / f"{self.round}.json")]  # fmt: skip
         raise AssertionError(path)
 
@@ -138,7 +140,7 @@ class PathRun:
 
     def _producer(self, group: int, source: str) -> Started:
         groups = len(self.feeds)
-        workers = 2 if groups == 1 else 1
+        workers = self.producer_count if groups == 1 else 1
         return self._start(
             ["produce", "--connect", self.feeds[group], "--workers", str(workers),
              "--shard-group", f"{group}/{groups}", "--transport", self._transport(),
@@ -177,6 +179,12 @@ class PathRun:
             except Exception as e:  # noqa: BLE001 (the message names the process)
                 raise AssertionError(f"{proc.log_path} still running: {e}") from e
         return codes
+
+    def kill_producers(self) -> None:
+        """kill -9 of the separate producers (a user restarting them with another count)."""
+        for proc in self.producers:
+            proc.kill_group()
+        self.producers = []
 
     def stop_all(self) -> None:
         for proc in self.started:
