@@ -24,7 +24,13 @@ EXAMPLES_PACKAGES := 'scikit-learn>=1.3' scipy joblib threadpoolctl narwhals clo
 # tests/helpers/hf_packages.py appends it to sys.path, after the venv's own numpy and pyarrow.
 HF_DIR := $(VENV)/hf-packages
 
-.PHONY: run test check lint layers typecheck venv bench clean
+.PHONY: run test check lint layers typecheck venv bench clean bytecode
+# This machine class runs with PYTHONDONTWRITEBYTECODE=1, so Python never caches the bytecode
+# of this checkout's modules and every process the suite starts compiles stagefeed and the test
+# helpers again. Compiled once before pytest instead (Python still reads a cache it did not
+# write): on test_run, test_run_transport, test_exit_codes and test_signals (-n 3), user CPU
+# 74.5 -> 69.7 s and 88.2 -> 72.2 s in two A/B pairs.
+SOURCES := common producer consumer bench stagefeed tests examples tools
 # The type checker on the public API ([tool.mypy] in pyproject.toml): mypy reads the package
 # laid out as it installs, a tree of links made afresh by tools/typecheck_tree.py.
 TYPECHECK := $(BIN)/python tools/typecheck_tree.py build/typecheck && $(BIN)/mypy
@@ -42,10 +48,13 @@ $(STAMP): pyproject.toml tests/k8s-renderer.txt
 
 venv: $(STAMP)
 
+bytecode: $(STAMP)
+	@$(BIN)/python -m compileall -q -j 0 $(SOURCES) > /dev/null
+
 run: $(STAMP)
 	$(BIN)/stagefeed run
 
-test: $(STAMP)
+test: $(STAMP) bytecode
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory layers
 	$(TYPECHECK)
@@ -55,7 +64,7 @@ test: $(STAMP)
 
 # The inner loop, under two minutes: ruff, the layer map (import-linter), the type checker and
 # the fast tests (no process started, no TensorFlow loaded: tests/helpers/fast_tests.py, pytest --fast).
-check: $(STAMP)
+check: $(STAMP) bytecode
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory layers
 	$(TYPECHECK)
@@ -86,7 +95,7 @@ clean:
 # The promise matrix (docs/guarantees.md, "The promise matrix"): every promise on every path,
 # transport and producer speed, with real processes; its own target so that `make test` keeps
 # its budget (.ci/run runs both). Cells are independent: spread over the workers as they come.
-test-matrix: $(STAMP)
+test-matrix: $(STAMP) bytecode
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -n $(MATRIX_WORKERS) --dist load tests/matrix; \
 		code=$$?; echo "make test-matrix: pytest took $$(( $$(date +%s) - start )) s (exit $$code)"; \
 		exit $$code
