@@ -63,6 +63,24 @@ def test_a_shard_resumes_at_its_start_within_the_pass():
     assert is_passing(source) and is_seekable(source)
 
 
+@pytest.mark.parametrize("count", [1, 3, 11])
+def test_with_epochs_a_shards_passes_are_one_stream_that_seeks_anywhere_along_it(count):
+    passing, stream = MapSource(ids(40), seed=1), MapSource(ids(40), seed=1, epochs=3)
+    assert not is_passing(stream) and is_seekable(stream)
+
+    def batches(source, index, epoch=0, start=0):
+        worker = WorkerInfo(index, count, "p", 0, start=start, epoch=epoch)
+        return [b["id"].tolist() for b in source(IDS, worker)]
+
+    for index in range(count):
+        whole = [b for epoch in range(3) for b in batches(passing, index, epoch)]
+        assert batches(stream, index) == whole
+        for start in range(len(whole) + 1):
+            assert batches(stream, index, start=start) == whole[start:]
+    with pytest.raises(ConfigError, match="epochs must be a positive integer"):
+        MapSource(ids(40), epochs=0)
+
+
 def test_a_tail_is_refused_at_start_unless_dropped():
     with pytest.raises(ConfigError) as info:
         MapSource(ids(10), name="npy:ids.npy")(IDS, WorkerInfo(0, 1, "p", 0))

@@ -1,7 +1,8 @@
 """A MultiWorkerMirroredStrategy cluster resumes exactly (docs/resume.md, "Several trainer
 workers"): two ``stagefeed train`` workers (``TF_CONFIG`` on loopback), each fed by its own
 ``stagefeed produce --shard-group g/2`` (one shard each; one in shared memory, the other over
-tcp), killed with SIGKILL and re-run until the data ends.
+tcp), killed with SIGKILL and re-run until the data ends; and, elastic, resumed as one trainer
+with one producer (docs/resume.md, "Another producer count").
 
 The model (``tests/helpers/resume_models.py:keras_counter``) counts how often each row was trained
 (its
@@ -67,15 +68,16 @@ class ClusterRun:
             for i in range(WORKERS)
         ]
 
-    def start_producers(self, round_name: str, rate: int = 4) -> None:
-        self.producers = [self.start_producer(g, round_name, rate) for g in range(WORKERS)]
+    def start_producers(self, round_name: str, rate: int = 4, source: str = "rows") -> None:
+        self.producers = [self.start_producer(g, round_name, rate, source)
+                          for g in range(WORKERS)]  # fmt: skip
 
-    def start_producer(self, group: int, round_name: str, rate: int):
+    def start_producer(self, group: int, round_name: str, rate: int, source: str = "rows"):
         return self.start_cli(
             ["produce", "--connect", self.feeds[group], "--workers", "1",
              "--transport", TRANSPORTS[group], "--shard-group", f"{group}/{WORKERS}",
              "--schema", "tests.helpers.resume_models:SCHEMA",
-             "--source", "tests.helpers.resume_models:rows", "--rate", str(rate)],
+             "--source", f"tests.helpers.resume_models:{source}", "--rate", str(rate)],
             name=f"{round_name}-producer-{group}",
         )  # fmt: skip
 
@@ -148,6 +150,40 @@ def test_a_cluster_killed_twice_resumes_and_trains_every_row_exactly_epochs_time
         str(g): (STEPS, []) for g in range(WORKERS)
     }
     assert not (run.save(1) / "state.json").exists()  # only the chief writes
+
+
+@pytest.mark.slow
+def test_two_workers_killed_resume_as_one_trainer_and_train_every_row_exactly_epochs_times(
+    start_cli, tmp_path
+):
+    """Elastic: a cluster of two workers fed by a MapSource (its epochs as one stream), killed
+    with SIGKILL, resumed as one ``stagefeed train`` with one producer: the chief's checkpoint
+    of 2 shards (the union of both workers' books) is dealt out to 1, every row once an epoch."""
+    run = ClusterRun(start_cli, tmp_path)
+    run.start_trainers("cluster")
+    run.start_producers("cluster", source="mapped")
+    run.kill_at(r"step 10: checkpoint", producers=True)
+    one = start_cli(["train", *MODEL, "--bind", run.feeds[0], "--steps", "0",
+                     "--checkpoint-every", "5", "--save", str(run.save(0))],
+                    name="one-trainer")  # fmt: skip
+    producer = start_cli(
+        ["produce", "--connect", run.feeds[0], "--workers", "1", "--transport", "shm",
+         "--schema", "tests.helpers.resume_models:SCHEMA",
+         "--source", "tests.helpers.resume_models:mapped"], name="one-producer",
+    )  # fmt: skip
+    assert one.wait(TIMEOUT_S) == 0, log_text(one)[-4000:]
+    text = log_text(one)
+    assert "position of 2 shards is dealt out to 1" in text, text[-4000:]
+    base = _resumed_step(text)
+    assert base >= 10, text[-4000:]
+    assert producer.wait(TIMEOUT_S) == 0, log_text(producer)[-3000:]
+    counts, _, _ = keras_state_in(str(run.save(0) / "model.keras"))
+    assert not miscounted(counts), miscounted(counts)
+    state = json.loads((run.save(0) / "state.json").read_text())
+    # Both workers trained a batch a step before (2 * base batches), the one trainer one a
+    # step after: the rest of the 48 (stream(0, 1): one shard carries every batch).
+    assert state["step"] == base + len(stream(0, 1)) - 2 * base, state["step"]
+    assert state["input"]["shards"] == 1 and state["finished"], state
 
 
 @pytest.mark.slow

@@ -3,7 +3,10 @@
 ``MapSource(records, ...)`` is a source factory (``producer.sources``) that makes passes
 (``passes = True``: one epoch per call, ``worker.epoch``) and seeks (``seekable = True``:
 it starts at ``worker.start``, the shard's batch within the epoch), so resume and epochs
-work with the trainer as it is. Each call yields this shard's full batches of that epoch
+work with the trainer as it is. ``MapSource(records, epochs=E)`` makes no passes: each call
+is the shard's E epochs as one stream (``worker.start`` counts along all of them), for a
+trainer that takes no passes (a cluster's workers: docs/resume.md, "Several trainer
+workers"). Each call yields this shard's full batches of that epoch
 (``sampler``), each record read, transformed with its own generator (``transform``) and
 checked against the schema, in fresh arrays.
 
@@ -49,7 +52,6 @@ class MapSource:
     producer: ``--seed``); ``transform`` is a function or ``module:function``.
     """
 
-    passes = True
     seekable = True
 
     def __init__(
@@ -62,6 +64,7 @@ class MapSource:
         on_bad_record: str = "fail",
         short_batch: str = "refuse",
         name: str | None = None,
+        epochs: int | None = None,
     ) -> None:
         if on_bad_record not in ON_BAD_RECORD:
             raise ConfigError(f"on_bad_record must be one of {', '.join(ON_BAD_RECORD)}, "
@@ -73,6 +76,12 @@ class MapSource:
             raise ConfigError(f"{name or type(records).__name__}: no records")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
+                                   or epochs < 1):  # fmt: skip
+            raise ConfigError(f"epochs must be a positive integer or None, got {epochs!r}")
+        # Passes (one epoch a call, the trainer's epochs) unless the epochs are given here.
+        self.passes: bool = epochs is None
+        self.epochs = epochs
         self.records = records
         self.name: str = name or str(getattr(records, "origin", type(records).__name__))
         self.shuffle, self.seed = shuffle, seed
@@ -133,9 +142,16 @@ class MapSource:
     def _batches(
         self, schema: Schema, worker: WorkerInfo, sampler: Sampler
     ) -> Iterator[dict[str, np.ndarray]]:
-        order = sampler.order(worker.epoch)
-        for number in sampler.shard_batches(worker.index, worker.count)[worker.start :]:
-            yield self.batch(schema, sampler.batch(order, number), worker.epoch, number)
+        mine = sampler.shard_batches(worker.index, worker.count)
+        if self.epochs is None:  # one pass: this epoch, from the shard's batch ``start`` of it
+            first, start, last = worker.epoch, worker.start, worker.epoch + 1
+        else:  # every epoch as one stream: ``start`` counts along all of them
+            first, start = divmod(worker.start, len(mine)) if len(mine) else (self.epochs, 0)
+            last = self.epochs
+        for epoch in range(first, last):
+            order = sampler.order(epoch)
+            for number in mine[start if epoch == first else 0 :]:
+                yield self.batch(schema, sampler.batch(order, number), epoch, number)
 
     def batch(
         self, schema: Schema, indices: np.ndarray, epoch: int, number: int

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from stagefeed.common.schema import ArraySpec, Schema
+from stagefeed.producer.data.arrays import ArrayRecords
+from stagefeed.producer.data.source import MapSource
 from tests.helpers import row_counters
 
 ROWS = 96
@@ -48,6 +50,15 @@ def rows(schema, worker) -> Iterator[dict[str, np.ndarray]]:
 
 
 rows.seekable = True  # type: ignore[attr-defined]
+
+
+# The same rows as a user's data: a MapSource shuffled with a seed, its EPOCHS epochs as one
+# stream (no passes: what a cluster's workers take), so a checkpoint of one shard count
+# resumes at another (docs/resume.md, "Another producer count").
+mapped = MapSource(
+    ArrayRecords({"ids": np.arange(ROWS, dtype=np.int32), "x": np.ones(ROWS, np.float32)}),
+    seed=7, epochs=EPOCHS, name="resume_models rows",
+)
 
 
 def rows_unseekable(schema, worker) -> Iterator[dict[str, np.ndarray]]:

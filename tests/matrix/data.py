@@ -4,9 +4,10 @@
 tests.matrix.data:graph_counter``, Keras ``--model tests.matrix.data:keras_counter``. ``ROWS``
 rows, ``BATCH`` to a batch, ``PASSES`` passes. ``rows`` is a ``stagefeed.MapSource`` over the
 arrays (what a user's data is: passes, a seeded shuffle per epoch, the data's order in the
-hello, so a checkpoint resumes at another producer count). ``stream`` (the cluster's: a
-cluster refuses sources with passes) is a user's generator: shard ``i`` of ``n`` carries rows
-``i, i+n, ...``, each pass in another order, all passes as one stream.
+hello, so a checkpoint resumes at another producer count); ``rows_stream`` the same with its
+epochs as one stream (a cluster refuses sources with passes). ``stream`` (what ``failing``
+fails in) is a user's generator: shard ``i`` of ``n`` carries rows ``i, i+n, ...``, each pass
+in another order, all passes as one stream.
 After a complete run every row's count is ``PASSES``.
 
 The speed of a cell (``STAGEFEED_MATRIX_SPEED``, read by the source and the model, both user
@@ -68,6 +69,10 @@ def _pace(record: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, 
 ARRAYS = {"ids": np.arange(ROWS, dtype=np.int32), "x": np.ones(ROWS, np.float32)}
 rows = stagefeed.MapSource(stagefeed.ArrayRecords(ARRAYS), seed=3, transform=_pace,
                            name="matrix rows")  # fmt: skip
+# The cluster's (a cluster refuses sources with passes): the same data, its PASSES epochs as
+# one stream.
+rows_stream = stagefeed.MapSource(stagefeed.ArrayRecords(ARRAYS), seed=3, transform=_pace,
+                                  name="matrix rows", epochs=PASSES)  # fmt: skip
 
 
 def _shard_pass(worker) -> Iterator[dict[str, np.ndarray]]:

@@ -26,8 +26,8 @@ PROMISES: dict[str, str] = {
     "exactly_once_across_kill": "with --save (or a saved position), across SIGINT, SIGTERM "
     "and kill -9, every row is trained exactly E times",
     "exactly_once_elastic": "with a built-in data source or a MapSource, killed with 2 "
-    "producers and resumed with 3, every row is trained exactly E times (docs/resume.md, "
-    "Another producer count)",
+    "producers and resumed with 3 (a cluster: 1 a worker, then 2), every row is trained "
+    "exactly E times (docs/resume.md, Another producer count)",
     "finished_refused": "a finished run, run again, trains nothing more (the CLI, and a loop's "
     "ServedFeed resumed from its final position: refused in one line, exit 2; a cluster's "
     "other workers end after --cluster-join-timeout-s in one line, exit 3)",
@@ -102,9 +102,7 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     "(docs/resume.md: a custom loop saves feed.position()); the CLI's Keras paths resume",
     ("exactly_once_elastic", "feed_fit-*"): "a fit on a ServedFeed has no saved position to "
     "deal out (as exactly_once_across_kill)",
-    ("exactly_once_elastic", "cluster-*"): "a cluster refuses sources with passes, so its "
-    "producers' source is a generator of the user's, whose position has no data order: it "
-    "resumes at its own count only (docs/resume.md, Limits)",
+
 }
 
 

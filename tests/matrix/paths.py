@@ -68,7 +68,8 @@ class PathRun:
         self.producers: list[Started] = []
         self.started: list[Started] = []
         self.round = ""
-        self.producer_count = 2  # producers of one trainer (the elastic round makes it 3)
+        # Producers in all (a cluster's split between its workers); the elastic round changes it.
+        self.producer_count = 2
         workers = 2 if column.path == "cluster" else 1
         self.feeds = [f"tcp://127.0.0.1:{p}" for p in distinct_ports(workers)]
 
@@ -116,6 +117,7 @@ class PathRun:
                              "--save", str(self.tmp / f"save-{i}"), "--steps", "0",
                              "--warmup-steps", "0", "--progress-s", "2",
                              "--queue-mb", "1", "--checkpoint-every", str(CHECKPOINT_EVERY),
+                             "--shm-producers", "2",
                              "--producer-timeout-s", "4", "--cluster-join-timeout-s", "20",
                              "--json", str(self.tmp / f"{round_name}-{i}.json")],
                             f"trainer-{i}", cli_env(STAGEFEED_MATRIX_SPEED=self.column.speed,
@@ -134,13 +136,13 @@ class PathRun:
         if producers_after_s:
             time.sleep(producers_after_s)
         if path == "cluster" and source == "rows":
-            source = "stream"  # a cluster refuses sources with passes (docs/resume.md)
+            source = "rows_stream"  # a cluster refuses sources with passes (docs/resume.md)
         if not any(p.proc.poll() is None for p in self.producers):
             self.producers = [self._producer(g, source) for g in range(len(self.feeds))]
 
     def _producer(self, group: int, source: str) -> Started:
         groups = len(self.feeds)
-        workers = self.producer_count if groups == 1 else 1
+        workers = self.producer_count // groups
         return self._start(
             ["produce", "--connect", self.feeds[group], "--workers", str(workers),
              "--shard-group", f"{group}/{groups}", "--transport", self._transport(),
