@@ -107,10 +107,10 @@ def test_lost_connection_shows_as_a_sequence_gap_not_a_drop(busy):
     ``seq_missing``, apart from drops. The cut here is the trainer's own: a message over
     --max-message-mb (one batch + 1 MiB by default)."""
     ctx = zmq.Context()
-    peer = Peer(ctx, busy.trainer.endpoint, "gap-test")
-    monitor = peer.sock.get_monitor_socket(
-        zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    )
+    peer = Peer(ctx, busy.trainer.endpoint, "gap-test",
+                monitor_events=zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    monitor = peer.monitor
+    assert monitor is not None
     try:
         before = busy.trainer.metrics()
         assert _event(monitor) == zmq.EVENT_HANDSHAKE_SUCCEEDED

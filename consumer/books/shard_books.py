@@ -113,8 +113,7 @@ class ShardBooks:
                 return (f"this producer is one of {shards} shards; the checkpoint resumed has "
                         f"{old.shards} and cannot be dealt out again: {exc}")  # fmt: skip
             self._position = self.resumed = new
-            self._saved_ends = {}
-        self.saved(new)
+            self._saved_ends = {}  # the old shards' numbers name other batches now
         log.info("the checkpoint's position of %d shards is dealt out to %d (elastic resume, "
                  "%s): every record still trained once per epoch", old.shards, shards,
                  new.order.describe() if new.order else "")  # fmt: skip

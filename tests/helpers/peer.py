@@ -19,9 +19,13 @@ LABELS = np.array([0, 1], np.int32)
 
 
 class Peer:
-    def __init__(self, ctx: zmq.Context, endpoint: str, name: str, timeout_s: float = 60) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, name: str, timeout_s: float = 60,
+                 monitor_events: int = 0) -> None:  # fmt: skip
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A monitor of ``monitor_events`` sees the first connection's events only if it is
+        # attached before ``connect``: a handshake can complete before the next line runs.
+        self.monitor = self.sock.get_monitor_socket(monitor_events) if monitor_events else None
         self.sock.connect(endpoint)
         self.name, self.timeout_s, self.credit = name, timeout_s, 0
         # As a real producer: one secret token for this peer's run, in every hello; the
