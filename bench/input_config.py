@@ -61,11 +61,15 @@ class InputConfig:
         if len(set(self.producers)) != len(self.producers):
             raise ConfigError(f"producers lists a value twice: {self.producers!r}")
         _at_least("batch_size", self.batch_size, 1)
-        _at_least("images", self.images, self.batch_size)  # at least one batch
+        _at_least("images", self.images, 1)
+        if self.images < self.batch_size:
+            raise ConfigError(f"images={self.images} make no batch of {self.batch_size}")
         if self.images > MAX_IMAGES:
             raise ConfigError(f"images must be at most {MAX_IMAGES}, got {self.images}")
         _at_least("crop", self.crop, MIN_CROP)
-        _at_least("image_size", self.image_size, self.crop)  # the crop fits in the image
+        _at_least("image_size", self.image_size, MIN_CROP)
+        if self.crop > self.image_size:
+            raise ConfigError(f"crop={self.crop} does not fit in image_size={self.image_size}")
         if self.image_size > MAX_IMAGE_SIZE:
             raise ConfigError(
                 f"image_size must be at most {MAX_IMAGE_SIZE}, got {self.image_size}"

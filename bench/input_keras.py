@@ -139,7 +139,9 @@ def measure(mode: str, workers: int, config: InputConfig, folder: str) -> dict[s
         raise ValueError(f"not a Keras-fed mode: {mode!r}")
     clock = _clock(config.warmup_steps, config.total_steps)
     steps = None if mode == PYDATASET else config.total_steps  # a PyDataset's length is its own
-    model.fit(data, epochs=1, steps_per_epoch=steps, callbacks=[clock], verbose=0)
+    model.fit(
+        data, epochs=1, steps_per_epoch=steps, callbacks=[clock], shuffle=False, verbose=0
+    )
     (start_s, start_cpu), (end_s, end_cpu) = clock.marks["start"], clock.marks["end"]
     seconds = end_s - start_s
     images = config.steps * config.batch_size

@@ -34,7 +34,7 @@ from stagefeed.common.options import MIB
 log = logging.getLogger(__name__)
 
 MODEL = "stagefeed.bench.input_keras:build"
-PROGRESS_S = 0.2
+PROGRESS_S = 0.05  # a line (and a CPU sample) per 50 ms: a short timed window gets several
 QUEUE_BATCHES = 4
 RUN_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 20.0
