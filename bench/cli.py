@@ -120,8 +120,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--image-size", type=int, default=256, help="their height and width [256]")
     p.add_argument("--crop", type=int, default=224, help="random crop's height and width [224]")
     p.add_argument("--batch-size", type=int, default=32, help="images per batch [32]")
-    p.add_argument("--steps", type=int, default=60, help="timed steps per mode [60]")
-    p.add_argument("--warmup-steps", type=int, default=8, help="untimed steps per mode [8]")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per mode [100]")
+    p.add_argument("--warmup-steps", type=int, default=10, help="untimed steps per mode [10]")
     p.add_argument(
         "--modes", type=_list_of(str), default=INPUT_MODES,
         help=f"comma-separated subset of {','.join(INPUT_MODES)} [all]",

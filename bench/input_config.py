@@ -42,8 +42,8 @@ class InputConfig:
     image_size: int = 256
     crop: int = 224
     batch_size: int = 32
-    steps: int = 60
-    warmup_steps: int = 8
+    steps: int = 100
+    warmup_steps: int = 10
     modes: tuple[str, ...] = INPUT_MODES
     transports: tuple[str, ...] = INPUT_TRANSPORTS
     seed: int = 0
