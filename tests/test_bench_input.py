@@ -18,7 +18,7 @@ from stagefeed.common.errors import ConfigError
 from tests.conftest import cli_env, run_cli
 
 TINY = ["--images", "32", "--image-size", "64", "--crop", "48", "--batch-size", "8",
-        "--producers", "1", "--steps", "24", "--warmup-steps", "2"]  # fmt: skip
+        "--producers", "1", "--steps", "40", "--warmup-steps", "2"]  # fmt: skip
 
 
 def _positive(value) -> bool:
@@ -38,7 +38,8 @@ def test_every_mode_of_a_tiny_run_has_its_figures_and_ratios_from_them(tmp_path)
     done = run_cli(["bench", "input", *TINY, "--json", str(path)], timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and "leaked" not in done.stderr, done.stderr
-    assert not [p for p in os.listdir(scratch) if p.startswith("stagefeed-")]
+    left = [p for p in os.listdir(scratch) if p.startswith("stagefeed-")]
+    assert not left, left
     report = json.loads(path.read_text())
     assert report["settings"]["modes"] == list(INPUT_MODES)
     cores = report["machine"]["cpus"]
@@ -46,7 +47,8 @@ def test_every_mode_of_a_tiny_run_has_its_figures_and_ratios_from_them(tmp_path)
     ideal = report["ideal"]
     assert len(ideal["runs_images_per_s"]) == 2  # before and after the other modes
     assert all(_positive(r) for r in ideal["runs_images_per_s"])
-    assert ideal["images_per_s"] == pytest.approx(sum(ideal["runs_images_per_s"]) / 2, abs=0.1)
+    # Both the mean and its parts are rounded to 0.1: they may differ by that much.
+    assert ideal["images_per_s"] == pytest.approx(sum(ideal["runs_images_per_s"]) / 2, abs=0.11)
     assert _positive(ideal["core_ms_per_image"])
     assert ideal["decoder"] in ("simplejpeg", "Pillow")
 
