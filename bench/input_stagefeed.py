@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -128,7 +129,7 @@ def measure_run(
             try:
                 proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+                os.killpg(proc.pid, signal.SIGKILL)  # its session: run and its producers
                 proc.wait()
         reader.join(STOP_TIMEOUT_S)
     if proc.returncode != 0:

@@ -66,8 +66,8 @@ def input_table(report: dict[str, Any]) -> str:
     if compared:
         lines += ["", "stagefeed's images/s over each peer's (PyDataset: the same N):"]
         for row in compared:
-            vs = ", ".join(f"{peer} {_cell(x)}x" for peer, x in row["vs"].items())
-            lines.append(f"- {_name(row)} x{row['workers']}: {vs}")
+            vs = ", ".join(f"{peer} {x}x" for peer, x in row["vs"].items() if x is not None)
+            lines.append(f"- {_name(row)} x{row['workers']}: {vs or 'no peer measured'}")
     if report["targets"]:
         lines += ["", "targets (issue 30):"]
         for target in report["targets"]:

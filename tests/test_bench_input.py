@@ -147,3 +147,56 @@ def test_a_bad_flag_stops_the_command_at_start_in_one_line(tmp_path, flags, name
     assert len(lines) == 1 and lines[0].startswith("stagefeed: error: "), done.stderr
     assert named in lines[0]
     assert os.listdir(tmp_path) == []
+
+
+def _figures() -> list[dict]:
+    return [
+        {"mode": "stagefeed", "transport": "shm", "workers": 2, "images_per_s": 1600.0,
+         "images": 3200, "cpu_s": 3.2, "cpu_images": 3200, "stall_pct": 5.0},
+        {"mode": "tf.data", "transport": "", "workers": 0, "seconds": 1.6, "images": 3200,
+         "cpu_s": 1.6},
+        {"mode": "from_generator", "transport": "", "workers": 1, "seconds": 6.4,
+         "images": 3200, "cpu_s": 6.4},
+        {"mode": "pydataset", "transport": "", "workers": 2, "seconds": 4.0, "images": 3200,
+         "cpu_s": None},
+    ]  # fmt: skip
+
+
+def test_the_report_makes_every_ratio_from_its_figures_and_none_without_the_ideal():
+    """``summarize``: N x the ideal's mean (tf.data: the host's cores), the ratio, CPU per
+    image, stagefeed's lead over each peer, the targets; without the ideal no ratio is made up
+    and the table says n/a."""
+    from stagefeed.bench.input import summarize
+    from stagefeed.bench.input_table import input_table
+
+    config = InputConfig(producers=(2,), transports=("shm",))
+    machine = {"cpus": 2, "cpu": "test", "load_avg_1m": 1.0, "date": "today", "wall_s": 1.0}
+    ideals = [{"seconds": 2.0, "images": 2000, "cpu_s": 1.0, "decoder": "simplejpeg"},
+              {"seconds": 1.0, "images": 1000, "cpu_s": 0.5, "decoder": "simplejpeg"}]  # fmt: skip
+    report = summarize(config, machine, ideals, _figures())
+    assert report["ideal"]["images_per_s"] == 1000.0
+    assert report["ideal"]["core_ms_per_image"] == 0.5
+    rows = {row["mode"]: row for row in report["rows"]}
+    expected = {"stagefeed": (2000, 0.8, 1.0), "tf.data": (2000, 1.0, 0.5),
+                "from_generator": (1000, 0.5, 2.0), "pydataset": (2000, 0.4, None)}  # fmt: skip
+    for mode, (ideal, ratio, cpu_ms) in expected.items():
+        row = rows[mode]
+        assert (row["ideal_images_per_s"], row["ratio"], row["core_ms_per_image"]) == (
+            ideal, ratio, cpu_ms
+        ), mode
+    assert rows["stagefeed"]["vs"] == {"tf.data": 0.8, "from_generator": 3.2, "pydataset": 2.0}
+    assert [(t["target"], t["measured"], t["met"]) for t in report["targets"]] == [
+        ("stagefeed shm x2: ratio to the ideal >= 0.8", 0.8, True),
+        ("stagefeed shm x2: ahead of from_generator", 3.2, True),
+        ("stagefeed shm x2: ahead of pydataset", 2.0, True),
+    ]
+    assert "| pydataset | 2 | 800.0 | 2000.0 | 0.4 | n/a |" in input_table(report)
+
+    alone = summarize(config, machine, [], _figures())
+    assert all(row["ratio"] is None and row["ideal_images_per_s"] is None
+               for row in alone["rows"])  # fmt: skip
+    assert [t["target"] for t in alone["targets"]] == [
+        "stagefeed shm x2: ahead of from_generator",
+        "stagefeed shm x2: ahead of pydataset",
+    ]
+    assert "| stagefeed shm | 2 | 1600.0 | n/a | n/a | 1.0 |" in input_table(alone)
