@@ -7,7 +7,12 @@ whose working directory holds the transform module (``input_data.write_transform
 window from the last warm-up step to the end). The CPU its process tree (trainer and
 producers) used in that window is read here: at every progress line (``--progress-s``) the
 tree's CPU is sampled, and the figure is the CPU between the first line at or after the
-warm-up and the last line, over the images trained between them.
+warm-up and the last line, over the images trained between them. The lines are read here,
+so a sample is as late as this process's reading: on cores the run saturates, lines come in
+bursts, and a burst read in one go samples the same CPU for every line of it (a window of no
+CPU). A window whose lines were read in less than half the time its steps took (the run's own
+images/s says how long) is such a burst: its CPU is not measured (None, "n/a" in the table),
+never a made-up figure.
 
 Buffers are a few batches deep (``--queue-batches``, ``--inflight-mb``: one batch per
 producer), like the peers' prefetch buffers, so the warm-up drains what the producers made
@@ -71,13 +76,13 @@ def _env() -> dict[str, str]:
 
 
 class _Progress(threading.Thread):
-    """Reads the run's log; at each progress line notes ``(step, tree CPU s)``; keeps the
-    last lines for an error message."""
+    """Reads the run's log; at each progress line notes ``(step, when read, tree CPU s)``;
+    keeps the last lines for an error message."""
 
     def __init__(self, proc: subprocess.Popen) -> None:
         super().__init__(name="bench-input-progress", daemon=True)
         self.proc = proc
-        self.marks: list[tuple[int, float | None]] = []
+        self.marks: list[tuple[int, float, float | None]] = []
         self.tail: list[str] = []
 
     def run(self) -> None:
@@ -85,20 +90,27 @@ class _Progress(threading.Thread):
         for line in self.proc.stdout:
             match = _PROGRESS.search(line)
             if match:
-                self.marks.append((int(match.group(1)), tree_cpu_s(self.proc.pid)))
+                step, now = int(match.group(1)), time.monotonic()
+                self.marks.append((step, now, tree_cpu_s(self.proc.pid)))
             self.tail = [*self.tail[-19:], line.rstrip()]
 
 
 def window_cpu(
-    marks: list[tuple[int, float | None]], warmup: int, batch_size: int
+    marks: list[tuple[int, float, float | None]], warmup: int, batch_size: int,
+    images_per_s: float,
 ) -> tuple[float | None, int]:
     """CPU seconds between the first mark at or after ``warmup`` steps and the last mark,
-    and the images trained between them; ``(None, 0)`` without two such marks."""
-    timed = [(step, cpu) for step, cpu in marks if step >= warmup and cpu is not None]
-    if len(timed) < 2 or timed[-1][0] <= timed[0][0]:
+    and the images trained between them; ``(None, 0)`` without two such marks, or when they
+    were read in a burst (in less than half the time their steps took at ``images_per_s``:
+    the module docstring)."""
+    timed = [(step, at, cpu) for step, at, cpu in marks if step >= warmup and cpu is not None]
+    if len(timed) < 2 or timed[-1][0] <= timed[0][0] or images_per_s <= 0:
         return None, 0
-    (first_step, first_cpu), (last_step, last_cpu) = timed[0], timed[-1]
-    return last_cpu - first_cpu, (last_step - first_step) * batch_size  # type: ignore[operator]
+    (first_step, first_at, first_cpu), (last_step, last_at, last_cpu) = timed[0], timed[-1]
+    images = (last_step - first_step) * batch_size
+    if last_at - first_at < 0.5 * images / images_per_s:
+        return None, 0
+    return last_cpu - first_cpu, images  # type: ignore[operator]
 
 
 def measure_run(
@@ -139,8 +151,9 @@ def measure_run(
         )
     with open(json_path, encoding="utf-8") as f:
         summary = json.load(f)
-    cpu, cpu_images = window_cpu(reader.marks, config.warmup_steps, config.batch_size)
     images_per_s = summary["examples_per_s"]
+    cpu, cpu_images = window_cpu(reader.marks, config.warmup_steps, config.batch_size,
+                                 images_per_s or 0.0)  # fmt: skip
     return {
         "images_per_s": images_per_s,
         "seconds": config.steps * config.batch_size / images_per_s if images_per_s else None,

@@ -16,6 +16,7 @@ import tempfile
 import pytest
 
 from stagefeed.bench.input_config import INPUT_MODES, InputConfig
+from stagefeed.bench.input_stagefeed import window_cpu
 from stagefeed.common.errors import ConfigError
 from tests.conftest import cli_env, run_cli
 
@@ -69,7 +70,10 @@ def test_every_mode_of_a_tiny_run_has_its_figures_and_ratios_from_them(tmp_path)
     ]
     for key, row in rows.items():
         assert _positive(row["images_per_s"]), key
-        assert _positive(row["core_ms_per_image"]), key
+        # stagefeed's CPU is read at its progress lines: None when they came in one burst
+        # (bench/input_stagefeed.py ``window_cpu``), never 0.
+        unmeasured = key[0] == "stagefeed" and row["core_ms_per_image"] is None
+        assert unmeasured or _positive(row["core_ms_per_image"]), key
         n = row["workers"] or cores
         assert row["ideal_images_per_s"] == pytest.approx(n * ideal["images_per_s"], rel=1e-3)
         ratio = row["images_per_s"] / row["ideal_images_per_s"]
@@ -200,3 +204,16 @@ def test_the_report_makes_every_ratio_from_its_figures_and_none_without_the_idea
         "stagefeed shm x2: ahead of pydataset",
     ]
     assert "| stagefeed shm | 2 | 1600.0 | n/a | n/a | 1.0 |" in input_table(alone)
+
+
+def test_a_window_of_progress_lines_read_in_one_burst_has_no_cpu_figure():
+    """Lines read as they come: the CPU between the first timed line and the last, over the
+    images between them. Read in one go (the reader starved), every line samples the same
+    CPU: no figure, rather than a window of 0 core-ms."""
+    # 10 steps of 8 images at 80 images/s take 1 s between steps 2 and 12.
+    steady = [(1, 0.0, 1.0), (2, 0.1, 1.1), (7, 0.6, 1.6), (12, 1.1, 2.1)]
+    assert window_cpu(steady, 2, 8, 80.0) == (pytest.approx(1.0), 80)
+    burst = [(1, 0.0, 1.0), (2, 1.0, 1.7), (7, 1.0, 1.7), (12, 1.01, 1.7)]
+    assert window_cpu(burst, 2, 8, 80.0) == (None, 0)
+    assert window_cpu(steady[:2], 2, 8, 80.0) == (None, 0)  # one timed line
+    assert window_cpu(steady, 2, 8, 0.0) == (None, 0)
