@@ -87,6 +87,7 @@ bench: $(STAMP)
 	$(BIN)/stagefeed bench steps
 	$(BIN)/stagefeed bench steps --modes keras
 	$(BIN)/stagefeed bench ingest
+	$(BIN)/stagefeed bench input
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""``stagefeed bench steps`` and ``stagefeed bench ingest``: flags, then the run, then a table.
+"""``stagefeed bench steps|cluster|ingest|input``: flags, then the run, then a table.
 
 Imports stay light at module level (no TensorFlow): ``stagefeed.cli`` registers this parser
 for every command, including the ones producer processes run. Flags are plain argparse (no
@@ -21,6 +21,7 @@ from stagefeed.bench.config import (
     StepsConfig,
     expand_modes,
 )
+from stagefeed.bench.input_config import INPUT_MODES, INPUT_TRANSPORTS, InputConfig
 from stagefeed.common.errors import ClosedError, ConfigError
 from stagefeed.common.schema import image_schema
 
@@ -46,7 +47,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: Any) -> None:
-    """Register ``bench`` and its two subcommands on the ``stagefeed`` command line."""
+    """Register ``bench`` and its subcommands on the ``stagefeed`` command line."""
     bench = subparsers.add_parser("bench", help="benchmarks: the seed's table, feed capacity")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
@@ -110,6 +111,29 @@ def add_parser(subparsers: Any) -> None:
     _common(p)
     # The trainer runs in this process: the command line applies its malloc policy first.
     p.set_defaults(func=_ingest, largest_block=_largest_images)
+
+    p = sub.add_parser(
+        "input", help="images/s of a decode-bound pipeline: stagefeed vs tf.data and PyDataset"
+    )
+    p.add_argument("--producers", type=_list_of(int), default=(1, 2), help="N values [1,2]")
+    p.add_argument("--images", type=int, default=256, help="JPEG files written at start [256]")
+    p.add_argument("--image-size", type=int, default=256, help="their height and width [256]")
+    p.add_argument("--crop", type=int, default=224, help="random crop's height and width [224]")
+    p.add_argument("--batch-size", type=int, default=32, help="images per batch [32]")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per mode [100]")
+    p.add_argument("--warmup-steps", type=int, default=10, help="untimed steps per mode [10]")
+    p.add_argument(
+        "--modes", type=_list_of(str), default=INPUT_MODES,
+        help=f"comma-separated subset of {','.join(INPUT_MODES)} [all]",
+    )  # fmt: skip
+    p.add_argument(
+        "--transports", type=_list_of(str), default=INPUT_TRANSPORTS,
+        help="stagefeed's: shm (what run uses on one host), tcp [shm,tcp]",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="images, order and crops [0]")
+    p.add_argument("--json", default=None, help="write every figure as JSON to this path")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_input)
 
 
 def _steps(args: argparse.Namespace) -> int:
@@ -187,6 +211,32 @@ def _ingest(args: argparse.Namespace) -> int:
 
     return _run_and_report(
         "ingest", lambda: run_ingest(config, logging.getLogger().level), ingest_table, args.json
+    )
+
+
+def _input(args: argparse.Namespace) -> int:
+    config = InputConfig(
+        producers=tuple(args.producers),
+        images=args.images,
+        image_size=args.image_size,
+        crop=args.crop,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        modes=tuple(args.modes),
+        transports=tuple(args.transports),
+        seed=args.seed,
+    )  # a bad value is a ConfigError here, before any file is written
+    try:
+        from stagefeed.bench.input import run_input
+    except ImportError as exc:
+        if exc.name != "psutil":
+            raise
+        raise ConfigError(str(exc)) from exc  # bench.cpu's message: what to install
+    from stagefeed.bench.input_table import input_table
+
+    return _run_and_report(
+        "input", lambda: run_input(config, logging.getLogger().level), input_table, args.json
     )
 
 

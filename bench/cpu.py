@@ -69,3 +69,24 @@ def sum_cpu_s(values: Iterable[float | None]) -> float | None:
     """Sum, or None if any part is unknown."""
     values = list(values)
     return None if any(v is None for v in values) else sum(values)  # type: ignore[arg-type]
+
+
+def tree_cpu_s(pid: int | None = None) -> float | None:
+    """User + system CPU seconds of a process and every descendant alive now, plus what the
+    ones they already waited for used (their ``children_*`` times); None if the root cannot
+    be read. A descendant that ends between the listing and its reading is left out."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except (psutil.Error, OSError):
+        return None
+    total = 0.0
+    for process in tree:
+        try:
+            times = process.cpu_times()
+        except (psutil.Error, OSError):
+            if process is root:
+                return None
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
