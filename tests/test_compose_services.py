@@ -100,9 +100,12 @@ def stop_producers(producer_procs) -> None:
 
 @pytest.mark.slow
 def test_services_train_a_few_steps_then_the_healthcheck_fails(start_cli, tmp_path):
-    # 3 batches a producer: the 5 steps (2 warm-up) need both, so the second producer's pool
-    # is mapped by construction (the first alone once fed the whole run before it started).
-    variables = compose_variables(STAGEFEED_STEPS="3", STAGEFEED_MAX_BATCHES="3")
+    # A batch a second a producer: the 5 steps (2 warm-up) take the first one alone 5 s, so
+    # the second, started right after it, has seconds to offer its pool (both are mapped) and
+    # the run's length is its steps. (With 3 batches a producer and no pace, the first once
+    # fed the whole run before the second started, and once ended its data, so the run had
+    # 1 step, before the second said hello.)
+    variables = compose_variables(STAGEFEED_STEPS="3", STAGEFEED_RATE="1")
     trainer, trainer_proc, producer_procs = start_services(start_cli, tmp_path, variables, 2)
     assert trainer_proc.wait(120) == 0, trainer_proc.output()
     after = healthcheck(trainer)
