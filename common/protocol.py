@@ -20,9 +20,7 @@ producer:
   that waits only for shards that joined it (a cluster worker) waits for these too, once one
   of them delivered.
   ``ack_end`` (true): this producer waits, before it closes, for the trainer's ``ended``.
-  ``order_source``, ``order_records``, ``order_seed``, ``order_shuffle`` (together; only with
-  ``shard``): the data's order (``common.data_order``): global batch ``b`` of epoch ``e`` is
-  the same records at any shard count, so the trainer may deal a position out again.
+  ``order_source``, ``order_records``, ``order_seed``, ``order_shuffle``: common/data_order.py.
 - ``batch``  ``{"seq": int, "arrays": [[name, dtype.str, shape], ...]}``, then one raw frame
   per array, C order, in the header's order. Sent only against credit (see below).
 - ``shm_batch`` ``{"seq": int, "desc": {"pool", "slot", "gen", "seq"}}``: a batch committed in
@@ -179,8 +177,7 @@ _INT_RANGE = {
     "pass_start": (0, 2**63),
     "pass_count": (1, 2**31),
     "bad": (1, 2**63),
-    "order_records": (1, 2**53 + 1),
-    "order_seed": (0, 2**63),
+    "order_records": (1, 2**53 + 1), "order_seed": (0, 2**63),  # common/data_order.py
 }
 
 
