@@ -116,7 +116,7 @@ class ShardBooks:
             self._saved_ends = {}  # the old shards' numbers name other batches now
         log.info("the checkpoint's position of %d shards is dealt out to %d (elastic resume, "
                  "%s): every record still trained once per epoch", old.shards, shards,
-                 new.order.describe() if new.order else "")  # fmt: skip
+                 order.describe())  # fmt: skip
         return new
 
     def settle(
