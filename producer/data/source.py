@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from stagefeed.common.checks import check_non_negative_int
 from stagefeed.common.data_order import MAX_SEED, hello_fields
 from stagefeed.common.data_ref import ON_BAD_RECORD
 from stagefeed.common.errors import ConfigError
@@ -74,8 +75,7 @@ class MapSource:
                               f"got {short_batch!r}")  # fmt: skip
         if not len(records):
             raise ConfigError(f"{name or type(records).__name__}: no records")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
-            raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        check_non_negative_int("seed", seed, MAX_SEED - 1)
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
                                    or epochs < 1):  # fmt: skip
             raise ConfigError(f"epochs must be a positive integer or None, got {epochs!r}")
