@@ -11,6 +11,7 @@ stops at once and says what to install (``stagefeed.bench.cli``).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 
 try:
@@ -75,17 +76,47 @@ def tree_cpu_s(pid: int | None = None) -> float | None:
     """User + system CPU seconds of a process and every descendant alive now, plus what the
     ones they already waited for used (their ``children_*`` times); None if the root cannot
     be read. A descendant that ends between the listing and its reading is left out."""
+    tree = _tree(pid)
+    return None if tree is None else _tree_total(tree)
+
+
+class TreeCpu:
+    """``tree_cpu_s`` of one process, read often (at every progress line of a run): the tree
+    is listed again only every ``relist_s``. Listing the descendants reads every process of
+    the host (psutil's ppid map, milliseconds on a busy host), on the cores the measured run
+    uses; reading a listed process is one ``/proc`` file. A descendant started since the last
+    listing is counted from the next one; one waited for is in its parent's ``children_*``."""
+
+    def __init__(self, pid: int, relist_s: float = 1.0) -> None:
+        self.pid = pid
+        self.relist_s = relist_s
+        self._tree: list[psutil.Process] | None = None
+        self.listed_at = 0.0  # monotonic time of the last listing
+
+    def __call__(self) -> float | None:
+        now = time.monotonic()
+        if self._tree is None or now - self.listed_at >= self.relist_s:
+            self._tree, self.listed_at = _tree(self.pid), now
+        return None if self._tree is None else _tree_total(self._tree)
+
+
+def _tree(pid: int | None) -> list[psutil.Process] | None:
+    """A process and its descendants alive now (the root first); None if it cannot be read."""
     try:
         root = psutil.Process(pid)
-        tree = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except (psutil.Error, OSError):
         return None
+
+
+def _tree_total(tree: list[psutil.Process]) -> float | None:
+    """CPU seconds of ``tree`` (``tree_cpu_s``); None if its root cannot be read."""
     total = 0.0
     for process in tree:
         try:
             times = process.cpu_times()
         except (psutil.Error, OSError):
-            if process is root:
+            if process is tree[0]:
                 return None
             continue
         total += times.user + times.system + times.children_user + times.children_system

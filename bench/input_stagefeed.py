@@ -6,8 +6,10 @@ whose working directory holds the transform module (``input_data.write_transform
 ``--json`` summary gives images/s over its timed steps (``examples_per_s``: the monitor's
 window from the last warm-up step to the end). The CPU its process tree (trainer and
 producers) used in that window is read here: at every progress line (``--progress-s``) the
-tree's CPU is sampled, and the figure is the CPU between the first line at or after the
-warm-up and the last line, over the images trained between them. The lines are read here,
+tree's CPU is sampled (``bench.cpu.TreeCpu``: the tree listed once a second, since a listing
+reads every process of the host on the cores the run uses), and the figure is the CPU
+between the first line at or after the warm-up and the last line, over the images trained
+between them. The lines are read here,
 so a sample is as late as this process's reading: on cores the run saturates, lines come in
 bursts, and a burst read in one go samples the same CPU for every line of it (a window of no
 CPU). A window whose lines were read in less than half the time its steps took (the run's own
@@ -32,7 +34,7 @@ import threading
 import time
 from typing import Any
 
-from stagefeed.bench.cpu import tree_cpu_s
+from stagefeed.bench.cpu import TreeCpu
 from stagefeed.bench.input_config import InputConfig
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.common.options import MIB
@@ -84,6 +86,7 @@ class _Progress(threading.Thread):
         self.proc = proc
         self.marks: list[tuple[int, float, float | None]] = []
         self.tail: list[str] = []
+        self.cpu = TreeCpu(proc.pid)
 
     def run(self) -> None:
         assert self.proc.stdout is not None
@@ -91,7 +94,7 @@ class _Progress(threading.Thread):
             match = _PROGRESS.search(line)
             if match:
                 step, now = int(match.group(1)), time.monotonic()
-                self.marks.append((step, now, tree_cpu_s(self.proc.pid)))
+                self.marks.append((step, now, self.cpu()))
             self.tail = [*self.tail[-19:], line.rstrip()]
 
 

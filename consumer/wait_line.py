@@ -2,10 +2,11 @@
 
     waiting for data for 20 s (0 producers seen, listening on tcp://0.0.0.0:5555)
 
-Every trainer says it the same way, every ``TrainerOptions.wait_log_s`` (10 s) of one wait:
-graph mode from its own wait for a batch; ``fit`` and the cluster loop from their watcher
-threads, which see the wait as the queue staying empty with no step ending (``starved``). A
-trainer with no producer, or whose producers were all refused, is then never silent.
+Every trainer says it the same way, every ``TrainerOptions.wait_log_s`` (``--wait-log-s``,
+10 s) of one wait: graph mode from its own wait for a batch; ``fit`` and the cluster loop
+from their watcher threads, which see the wait as the queue staying empty with no step
+ending (``starved``). A trainer with no producer, or whose producers were all refused, is
+then never silent.
 """
 
 from __future__ import annotations

@@ -151,6 +151,11 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     )  # fmt: skip
     envflags.add(g, "--json", default=None, help="write the summary as JSON to this path")
     envflags.add(g, "--progress-s", type=float, default=5.0, help="seconds between progress lines")
+    envflags.add(
+        g, "--wait-log-s", type=float, default=10.0,
+        help="seconds between the lines a trainer waiting for data writes (what it waits for, "
+        "where it listens)",
+    )  # fmt: skip
     envflags.add(g, "--logdir", default=None, help="write TensorBoard scalars to this directory")
     envflags.add(
         g, "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
@@ -258,6 +263,7 @@ def trainer_options(args: argparse.Namespace, bind: str) -> TrainerOptions:
         device=args.device,
         max_message_mb=args.max_message_mb,
         producer_timeout_s=args.producer_timeout_s,
+        wait_log_s=args.wait_log_s,
         cluster_join_s=args.cluster_join_timeout_s,
         curve_keys=args.curve_keys,
         keep_freed_memory=not args.return_freed_memory,

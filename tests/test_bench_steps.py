@@ -17,7 +17,10 @@ import psutil
 import pytest
 
 from stagefeed.bench.config import KERAS_MODES, STEP_MODES, StepsConfig, expand_modes
-from stagefeed.bench.cpu import process_cpu_s, threads_cpu_s
+from stagefeed.bench.cpu import TreeCpu, process_cpu_s, threads_cpu_s, tree_cpu_s
+from stagefeed.bench.report import machine
+from stagefeed.bench.steps import summarize
+from stagefeed.bench.table import steps_table
 from stagefeed.common.errors import BrokenError, ClosedError
 from stagefeed.producer.pool import WorkerBook, pool_check
 from tests.conftest import run_cli, wait_for
@@ -46,77 +49,87 @@ def _check_figures(figures: dict, steps: int, batch_size: int) -> None:
     assert figures["images_per_s"] == pytest.approx(batch_size / mean_s, rel=0.01)
 
 
-def test_every_mode_yields_figures_and_its_ratio_to_the_reference(tmp_path):
-    """Every graph mode in one run beside the reference (one run, not one per mode: each run
-    starts a worker per mode): its figures, and ratio = its median / the reference's."""
-    modes = list(STEP_MODES)
-    assert modes[0] == "synthetic-device"
-    report, table = _bench(tmp_path, modes)
-    assert list(report["modes"]) == modes
-    reference = report["modes"]["synthetic-device"]
-    assert reference["ratio"] == 1.0 and reference["paired_ratio"] == 1.0
-    for mode in modes:
-        figures = report["modes"][mode]
-        _check_figures(figures, 4, 2)
-        ratio = figures["median_ms"] / reference["median_ms"]
-        assert figures["ratio"] == pytest.approx(ratio, 0.01), mode
-        pairs = sorted(s / r for s, r in zip(figures["step_ms"], reference["step_ms"], strict=True))
-        assert figures["paired_ratio"] == pytest.approx((pairs[1] + pairs[2]) / 2, 0.01), mode
-        assert f"| {mode} |" in table
-    # Two rounds: forward, then reversed.
-    assert report["order"] == [modes, modes[::-1]]
-    assert report["device"] == "/cpu:0"
-
-
 def _table_rows(table: str, heading: str) -> list[str]:
     """The mode names of the table under ``heading`` in the printed report."""
     block = table.split(heading, 1)[1].split("\n\n", 2)[1]
     return [line.split(" | ")[0].lstrip("| ") for line in block.splitlines()[2:]]
 
 
-def test_graph_modes_without_their_reference_and_the_keras_trio_in_one_run(tmp_path):
-    """Two graph modes without their reference (no ratio is made up) beside ``--modes keras``
-    (its own table, ratios against keras-synthetic), interleaved in one run; uint8 over shared
-    memory from one producer (the other tests use float32 over tcp: numpy batches of both
-    dtypes are made, and the cast layer's path runs)."""
-    graph = ["stagefeed", "seed-staging"]
+def test_every_mode_of_both_families_yields_figures_and_its_ratio_in_one_run(tmp_path):
+    """Every mode, graph (the seed's table) and Keras (its own), interleaved in one run (one
+    run, not one per mode or family: each mode starts a TensorFlow worker): its figures, and
+    ratio = its median / its family's reference's (synthetic-device, keras-synthetic), paired
+    ratio = the median of its steps over the reference's of the same turn. uint8 over shared
+    memory from one producer: batches of both dtypes are made (float32:
+    ``test_sigterm_mid_run_stops_every_process``), and the cast layer's path runs."""
+    modes = list(STEP_MODES + KERAS_MODES)
+    assert modes[0] == "synthetic-device"
     extra = ("--producers", "1", "--dtype", "uint8", "--transport", "shm")
-    report, table = _bench(tmp_path, [*graph, "keras"], *extra)
-    modes = report["modes"]
-    assert list(modes) == [*graph, *KERAS_MODES]
-    assert report["order"] == [list(modes), list(reversed(modes))]
+    report, table = _bench(tmp_path, ["all"], *extra)
+    assert list(report["modes"]) == modes
+    # Two rounds: forward, then reversed.
+    assert report["order"] == [modes, modes[::-1]]
+    assert report["device"] == "/cpu:0"
     assert report["settings"]["transport"] == "shm"
-    # Graph mode: the stall is stagefeed's alone; no reference in this run, so no ratio.
-    stagefeed, seed = modes["stagefeed"], modes["seed-staging"]
+    for name, figures in report["modes"].items():
+        _check_figures(figures, 4, 2)
+        reference = report["modes"][figures["reference"]]
+        assert figures["reference"] == ("keras-synthetic" if name in KERAS_MODES
+                                        else "synthetic-device")  # fmt: skip
+        assert figures["ratio"] == pytest.approx(
+            figures["median_ms"] / reference["median_ms"], 0.01), name  # fmt: skip
+        pairs = sorted(s / r for s, r in zip(figures["step_ms"], reference["step_ms"], strict=True))
+        assert figures["paired_ratio"] == pytest.approx((pairs[1] + pairs[2]) / 2, 0.01), name
+        assert f"| {name} |" in table
+    for name in ("synthetic-device", "keras-synthetic"):
+        assert report["modes"][name]["ratio"] == report["modes"][name]["paired_ratio"] == 1.0
+    # Graph mode: the stall is stagefeed's alone (it waits outside session.run).
+    stagefeed, seed = report["modes"]["stagefeed"], report["modes"]["seed-staging"]
     assert len(stagefeed["wait_ms"]) == 4
     assert all(w >= 0 for w in stagefeed["wait_ms"])
     assert 0 <= stagefeed["stall_pct"] <= 100
     assert stagefeed["info"]["producers"] == 1
     assert seed["stall_pct"] is None and seed["wait_ms"] is None
     assert seed["info"]["queue_capacity"] == report["settings"]["queue_capacity"]
-    assert stagefeed["ratio"] is None and seed["ratio"] is None and "n/a" in table
     # Warm-up block + 2 timed blocks, each followed by a settle that refilled the queue.
     assert [s["queue_full"] for s in seed["settle"]] == [True, True, True]
-    # The Keras trio, against its own synthetic upper bound.
+    # The Keras trio: the wait is inside Keras' train_function, so no stall figure.
     for name in KERAS_MODES:
-        figures = modes[name]
-        _check_figures(figures, 4, 2)
-        assert (figures["family"], figures["reference"]) == ("keras", "keras-synthetic")
-        assert figures["stall_pct"] is None  # the wait is inside Keras' train_function
-        assert figures["info"]["parameters"] == modes["keras-synthetic"]["info"]["parameters"]
-        median = modes["keras-synthetic"]["median_ms"]
-        assert math.isfinite(figures["ratio"]) and math.isfinite(figures["paired_ratio"])
-        assert figures["ratio"] == pytest.approx(figures["median_ms"] / median, 0.01)
-    assert modes["keras-synthetic"]["ratio"] == modes["keras-synthetic"]["paired_ratio"] == 1.0
-    keras_stagefeed = modes["keras-stagefeed"]
+        figures = report["modes"][name]
+        assert figures["family"] == "keras" and figures["stall_pct"] is None
+        assert figures["info"]["parameters"] == (
+            report["modes"]["keras-synthetic"]["info"]["parameters"])  # fmt: skip
+    keras_stagefeed = report["modes"]["keras-stagefeed"]
     assert keras_stagefeed["feed_cpu_ms_per_step"] >= 0
     assert keras_stagefeed["info"]["producers"] == 1
     assert keras_stagefeed["info"]["queue_full_at_start"] is True
     assert [s["queue_full"] for s in keras_stagefeed["settle"]] == [True, True, True]
-    assert _table_rows(table, "AlexNet (graph mode") == graph
+    assert _table_rows(table, "AlexNet (graph mode") == list(STEP_MODES)
     assert _table_rows(table, "AlexNet in Keras 3") == list(KERAS_MODES)
     assert "| mode | median ms/step | p10 | p90 | images/s | x keras-synthetic |" in table
     assert "staging depth 2, shm." in table
+
+
+def test_modes_without_their_reference_get_no_ratio():
+    """Graph modes timed without synthetic-device beside them: no ratio is made up, and the
+    table says n/a (``bench.steps.summarize`` on figures of a run, no process started)."""
+    config = StepsConfig(modes=("stagefeed", "seed-staging"), steps=4, warmup_steps=1,
+                         rounds=2)  # fmt: skip
+    timed = {
+        name: {"step_s": [0.1, 0.12, 0.11, 0.13], "wait_s": [0.0] * 4 if name == "stagefeed"
+               else [None] * 4, "process_cpu_s": [0.1] * 4, "feed_cpu_s": [0.01] * 4}
+        for name in config.modes
+    }  # fmt: skip
+    order = [list(config.modes), list(reversed(config.modes))]
+    settles = {name: [] for name in config.modes}
+    report = summarize(config, machine(), {}, timed, settles, order)
+    for name in config.modes:
+        assert report["modes"][name]["reference"] == "synthetic-device"
+        assert report["modes"][name]["ratio"] is None
+        assert report["modes"][name]["paired_ratio"] is None
+    assert report["modes"]["stagefeed"]["stall_pct"] == 0.0
+    assert report["modes"]["seed-staging"]["stall_pct"] is None
+    assert "n/a" in steps_table(report)
 
 
 def test_families_expand_to_their_modes():
@@ -242,3 +255,28 @@ def test_cpu_seconds_of_a_process_and_of_named_threads():
         thread.join()
     assert process_cpu_s() >= 0.15
     assert process_cpu_s(2**22 + 1) is None  # above Linux's pid_max: no such process
+
+
+def test_a_tree_read_often_is_listed_again_only_after_its_interval():
+    """``TreeCpu`` (``bench input`` reads it at every progress line): a child started after a
+    listing counts from the next listing, and then with all its CPU, like ``tree_cpu_s``."""
+    import subprocess
+    import sys
+
+    spin = "import time\nwhile time.process_time() < 0.4: pass\ntime.sleep(60)"
+    reader = TreeCpu(os.getpid(), relist_s=2.0)
+    before = reader()
+    listed_at = reader.listed_at
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        assert wait_for(lambda: (process_cpu_s(child.pid) or 0.0) >= 0.3, 30)
+        unlisted = reader()
+        if reader.listed_at == listed_at:  # not listed again yet: the child is not counted
+            assert unlisted - before < 0.3
+        time.sleep(max(0.0, listed_at + 2.0 - time.monotonic()))
+        assert reader() - before >= 0.3 and reader.listed_at > listed_at
+        assert tree_cpu_s() - before >= 0.3
+    finally:
+        child.kill()
+        child.wait()
+    assert TreeCpu(2**22 + 1)() is None  # above Linux's pid_max: no such process

@@ -7,8 +7,8 @@ trainer takes it back. SIGTERM goes to one worker's process or to both, as Kuber
 pod: every worker then stops after the same step within the single trainer's bound
 (tests/test_signals.py), prints its summary, exits 0, and
 the chief writes its final checkpoint (``--save``). A worker waiting for data (no producer,
-or producers it refused) follows another's stop too, and says every ``wait_log_s`` (10 s)
-what it waits for.
+or producers it refused) follows another's stop too, and says every ``--wait-log-s`` (2 s
+here; the default 10 s: tests/test_wait_line.py) what it waits for.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tests.test_signals import STEP_MS, STOP_WITHIN_S
 pytestmark = pytest.mark.slow
 
 START_S = 240  # two TensorFlow workers and their producers on two shared cores
+WAIT_LOG_S = "2"  # --wait-log-s: the waiting line 2 s into the wait, not the default 10
 WAITING = (
     r"waiting for data for (\d+) s \((\d+) producers seen, listening on tcp://127\.0\.0\.1:\d+\)"
 )
@@ -45,7 +46,7 @@ class Workers:
         feeds = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
         self.trainers = [
             start_cli(
-                ["train", *model, "--bind", feeds[i], "--steps", "0",
+                ["train", *model, "--bind", feeds[i], "--steps", "0", "--wait-log-s", WAIT_LOG_S,
                  "--json", str(tmp_path / f"worker-{i}.json"),
                  "--save", str(tmp_path / f"save-{i}")],
                 name=f"worker-{i}", env=cli_env(TF_CONFIG=cluster_config(i, tf_ports)),
@@ -69,10 +70,11 @@ class Workers:
         return int(found[-1]) if found else 0
 
     def wait_waiting_lines(self) -> None:
-        """Both say what they wait for, 10 s into the wait (``wait_log_s``)."""
+        """Both say what they wait for, ``--wait-log-s`` into the wait."""
         for i in range(2):
-            seen = wait_for(lambda i=i: re.search(WAITING, self.log(i)), START_S)
-            assert seen, self.log(i)[-3000:]
+            assert wait_for(lambda i=i: re.search(WAITING, self.log(i)), START_S), (
+                self.log(i)[-3000:])  # fmt: skip
+            assert re.search(WAITING, self.log(i)).group(1) == WAIT_LOG_S, self.log(i)[-3000:]
 
     def stop(self, which: list[int]) -> float:
         """SIGTERM to the workers ``which``; every worker must end: the seconds it took, over

@@ -176,11 +176,12 @@ def test_slow_trainer_blocks_producers_within_their_byte_budgets(busy):
         busy.spawn, trainer.endpoint, "--inflight-mb", str(INFLIGHT_MB), name="flood"
     )
     flood = _id_of(trainer, worker.pid)
-    live = busy.trained_more(flood, quiet, 10)  # the queue is full by now
+    # The queue (3 batches) is full by now: the flood is unthrottled, the step paced.
+    live = busy.trained_more(flood, quiet, 6)
     peak.reset()
     worker_rss, held_batches = [], []
     for _ in range(5):
-        live = busy.trained_more(flood, live, 5)
+        live = busy.trained_more(flood, live, 3)
         worker_rss.append(procs.rss_mib(worker.pid))
         held_batches.append(_held_batches(live))
     flood_peak = peak.peak_mib(window=True)

@@ -76,10 +76,14 @@ def test_run_trains_and_writes_the_summary(tmp_path, dtype, transport):
         assert not os.path.exists(summary["endpoint"].removeprefix("ipc://"))
 
 
-def test_bad_flag_fails_at_start_naming_the_value():
-    done = run_cli(["run", "--batch-size", "2", "--enqueue-threads", "0"], timeout=60)
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [("--enqueue-threads", "0", "enqueue_threads"), ("--wait-log-s", "-1", "wait_log_s")],
+)
+def test_bad_flag_fails_at_start_naming_the_value(flag, value, named):
+    done = run_cli(["run", "--batch-size", "2", flag, value], timeout=60)
     assert done.returncode == 2
-    assert "enqueue_threads" in done.stderr and "0" in done.stderr
+    assert named in done.stderr and value in done.stderr
     assert "Traceback" not in done.stderr
 
 
