@@ -151,11 +151,7 @@ def add_trainer_flags(p: argparse.ArgumentParser, steps: int) -> None:
     )  # fmt: skip
     envflags.add(g, "--json", default=None, help="write the summary as JSON to this path")
     envflags.add(g, "--progress-s", type=float, default=5.0, help="seconds between progress lines")
-    envflags.add(
-        g, "--wait-log-s", type=float, default=10.0,
-        help="seconds between the lines a trainer waiting for data writes (what it waits for, "
-        "where it listens)",
-    )  # fmt: skip
+    envflags.add(g, "--wait-log-s", type=float, default=10.0, help="seconds between waiting lines")
     envflags.add(g, "--logdir", default=None, help="write TensorBoard scalars to this directory")
     envflags.add(
         g, "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
@@ -413,11 +409,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def keep_freed_memory_first(args: argparse.Namespace) -> None:
     """A trainer command whose batches need glibc's one-arena limit applies the trainer's
-    malloc policy before any other thread starts (the signal handling's, TensorFlow's): the
-    limit holds only while the main arena is the only one (consumer/memory/malloc_policy.py). Other
-    batches get the policy when the trainer starts, as before the limit existed.
-    ``args.largest_block``, set by the commands that train in this process, gives the largest
-    array of their batches."""
+    malloc policy before any other thread starts (signal handling's, TensorFlow's): the limit
+    holds only while the main arena is the only one (consumer/memory/malloc_policy.py); other
+    batches get it when the trainer starts. ``args.largest_block``, set by the commands that
+    train in this process, gives the largest array of their batches."""
     largest_block = getattr(args, "largest_block", None)
     if largest_block is None or getattr(args, "return_freed_memory", False):
         return
