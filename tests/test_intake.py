@@ -6,8 +6,10 @@ enqueue it is given is a plain function that records what it got, standing in fo
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 
 import msgpack
 import numpy as np
@@ -69,8 +71,18 @@ def _peer(intake) -> zmq.Socket:
 
 
 def _reply(sock, timeout_s: float = 10.0) -> dict:
-    assert sock.poll(int(timeout_s * 1000)), "no reply from the intake"
+    assert sock.poll(int(timeout_s * 1000)), "no reply from the intake; " + _stacks()
     return protocol.decode_header(sock.recv(), protocol.FROM_TRAINER)
+
+
+def _stacks() -> str:
+    """Where this process's threads are: an intake that did not answer once under the full
+    suite (never alone) says what its thread was doing."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "threads:\n" + "\n".join(
+        f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)[-8:])
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 def _replies(sock, until, timeout_s: float = 10.0) -> list[dict]:
