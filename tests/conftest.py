@@ -163,7 +163,7 @@ SHARED_PROCESS_GROUPS = frozenset({
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the marks into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep what shares a started process on one xdist worker (``make test`` runs three, with
+    """Keep what shares a started process on one xdist worker (``make test`` runs four, with
     ``--dist loadgroup``): a module's tests share its module-scoped trainers, and a package's
     (``hostile_input/``) share one trainer and run in the order its conftest sets. Every
     other test goes to whichever worker is free (a whole module on one worker left the other

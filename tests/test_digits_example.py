@@ -35,19 +35,11 @@ def accuracy(model, data) -> float:
     return float(re.search(r"test accuracy (\d\.\d+)", said).group(1))
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """The example's split, prepared once (scikit-learn and SciPy load in that process): both
-    ways read the same files."""
-    folder = tmp_path_factory.mktemp("digits") / "data"
-    example("prepare", str(folder))
-    return folder
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("way", ["npy files", "python"])
-def test_the_digits_example_trains_to_a_good_test_accuracy(tmp_path, data, way):
-    save = tmp_path / "out"
+def test_the_digits_example_trains_to_a_good_test_accuracy(tmp_path, way):
+    data, save = tmp_path / "digits", tmp_path / "out"
+    example("prepare", str(data))
     if way == "npy files":
         source = ["--source", f"npy:{data}/pixels.npy,{data}/labels.npy", "--batch-size", "32",
                   "--short-batch", "drop"]  # fmt: skip
