@@ -45,11 +45,10 @@ def input_schema(config: InputConfig) -> Schema:
 
 def build(schema: Schema) -> Any:
     """The model too small to matter: every ``SUBSAMPLE``-th pixel each way (a strided slice,
-    which reads only those), the cast, global average pooling, one dense layer. ``stagefeed run
-    --model stagefeed.bench.input_keras:build`` trains it too; every mode still hands the model
-    its whole batch. With the cast and the pooling over every pixel (before 2026-12-05) the
-    model was not small: 6.5 ms of CPU a batch of 32 224x224 crops, 0.2 core-ms an image beside
-    the decode's 0.5, and perf put half of the stagefeed trainer's CPU in it."""
+    which reads only those), the cast, global average pooling, one dense layer; every mode
+    still hands it the whole batch. ``stagefeed run --model stagefeed.bench.input_keras:build``
+    trains it too. Over every pixel it was not small: 6.5 ms of CPU a batch of 32 crops, half
+    the stagefeed trainer's CPU (docs/benchmarks.md, 2026-12-05)."""
     import keras
 
     from stagefeed.consumer.keras_fit.callback import cast_layer
