@@ -15,10 +15,10 @@ producer:
   ``confirm`` (true; only with ``shard``): this producer can stay after its ``end`` until a
   checkpoint holds all of its shard (``saved``), so that a trainer killed before that gets
   the tail again from it (docs/resume.md).
-  ``group_first``, ``group_shards`` (together; only with ``shard``): the shards of this
-  producer's ``produce`` command, ``group_first .. group_first + group_shards - 1``; a trainer
-  that waits only for shards that joined it (a cluster worker) waits for these too, once one
-  of them delivered.
+  ``group_first``, ``group_shards`` (together; only with ``shard``), ``group_stride`` (1 if
+  absent): the shards of this producer's ``produce`` command, ``group_shards`` of them from
+  ``group_first``, ``group_stride`` apart; a trainer that waits only for shards that joined it
+  (a cluster worker) waits for these too, once one of them delivered.
   ``ack_end`` (true): this producer waits, before it closes, for the trainer's ``ended``.
   ``order_source``, ``order_records``, ``order_seed``, ``order_shuffle``: common/data_order.py.
 - ``batch``  ``{"seq": int, "arrays": [[name, dtype.str, shape], ...]}``, then one raw frame
@@ -149,7 +149,7 @@ _OPTIONAL: dict[str, tuple[dict[str, tuple[type, ...]], ...]] = {
     "hello": ({"shm": (bool,)}, {"session": (str,)},
               {"shard": (int,), "shards": (int,), "seek": (bool,)}, {"passes": (bool,)},
               {"confirm": (bool,)}, {"ack_end": (bool,)},
-              {"group_first": (int,), "group_shards": (int,)},
+              {"group_first": (int,), "group_shards": (int,)}, {"group_stride": (int,)},
               {"order_source": (str,), "order_records": (int,), "order_seed": (int,),
                "order_shuffle": (bool,)}),
     "end": ({"reason": (str,), "detail": (str,)}, {"bad": (int,), "bad_first": (str,)}),
@@ -170,8 +170,8 @@ _INT_RANGE = {
     "shm_slots": (1, 4097),
     "shard": (0, MAX_SHARDS),
     "shards": (1, MAX_SHARDS + 1),
-    "group_first": (0, MAX_SHARDS),
-    "group_shards": (1, MAX_SHARDS + 1),
+    "group_first": (0, MAX_SHARDS), "group_shards": (1, MAX_SHARDS + 1),
+    "group_stride": (1, MAX_SHARDS + 1),
     "start": (0, 2**63),
     "pass": (0, 2**31),
     "pass_start": (0, 2**63),
@@ -246,11 +246,7 @@ def decode_header(raw: Any, kinds: frozenset[str]) -> dict[str, Any]:
         raise ProtocolError(DropReason.HEADER_SIZE, f"{view.nbytes} B > {MAX_HEADER_BYTES} B")
     try:
         header = msgpack.unpackb(
-            view,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=refuse_ext,
-            use_list=True,
+            view, raw=False, strict_map_key=True, ext_hook=refuse_ext, use_list=True
         )
     except Exception as exc:  # noqa: BLE001 - msgpack raises many types; none may escape
         detail = f"{type(exc).__name__}: {str(exc)[:120]}"
@@ -376,11 +372,13 @@ def shard_of_hello(header: Mapping[str, Any]) -> tuple[int, int, bool] | None:
 
 
 def group_of_hello(header: Mapping[str, Any]) -> range | None:
-    """The shards of the hello's ``produce`` command (``group_first``, ``group_shards``), else
-    None. Whether the hello's own shard is among them is the trainer's check."""
+    """The shards of the hello's ``produce`` command (``group_first``, ``group_shards``,
+    ``group_stride``), else None. Whether the hello's own shard is among them is the trainer's
+    check."""
     if "group_first" not in header:
         return None
-    return range(header["group_first"], header["group_first"] + header["group_shards"])
+    first, stride = header["group_first"], header.get("group_stride", 1)
+    return range(first, first + header["group_shards"] * stride, stride)
 
 
 def passes_of_welcome(header: Mapping[str, Any]) -> tuple[int, int, int] | None:

@@ -72,18 +72,26 @@ def producer_id(shard: int) -> str:
 
 def worker_info(options: ProducerOptions, index: int) -> WorkerInfo:
     """What worker ``index`` of ``options.workers`` tells its source: its global shard,
-    ``G * workers + index`` of ``K * workers`` for ``--shard-group G/K``, and the seed
-    ``seed + shard`` (each group draws other data; ``0/1``: shard ``index``, as before)."""
+    ``G + index * K`` of ``K * workers`` for ``--shard-group G/K``, and the seed
+    ``seed + shard`` (each group draws other data; ``0/1``: shard ``index``, as before).
+
+    Groups interleave (group ``G`` holds the shards ``= G mod K``) so that a cluster's
+    checkpoint dealt out to another producer count (``consumer.books.redeal``) leaves every
+    worker as many batches: worker ``G`` trained one batch a step, all of them global
+    batches ``= G mod K``, and the new count's group ``G`` holds exactly those places again.
+    Blocks of shards would give one worker more of the untrained places than another, and a
+    cluster stops at the step where the first worker has none left."""
     group, groups = options.shard_group
-    shard = group * options.workers + index
+    shard = group + index * groups
     return WorkerInfo(shard, groups * options.workers, producer_id(shard), options.seed + shard)
 
 
 def group_fields(options: ProducerOptions) -> dict[str, int]:
-    """The hello's ``group_first``/``group_shards``: the shards of this ``produce`` command
-    (``worker_info``), which a cluster worker waits for once one of them delivered."""
-    group, _ = options.shard_group
-    return {"group_first": group * options.workers, "group_shards": options.workers}
+    """The hello's ``group_first``/``group_shards``/``group_stride``: the shards of this
+    ``produce`` command (``worker_info``), which a cluster worker waits for once one of them
+    delivered."""
+    group, groups = options.shard_group
+    return {"group_first": group, "group_shards": options.workers, "group_stride": groups}
 
 
 class _ParentWatch:

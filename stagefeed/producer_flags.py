@@ -59,7 +59,7 @@ def add_shard_group_flag(p: argparse.ArgumentParser) -> None:
     envflags.add(
         p, "--shard-group", type=parse_shard_group, default="0/1", metavar="G/K",
         help="these --workers are group G of K produce commands (one per trainer worker): "
-        "worker i is shard G*workers+i of K*workers, seed --seed+shard (docs/resume.md)",
+        "worker i is shard G+i*K of K*workers, seed --seed+shard (docs/resume.md)",
     )  # fmt: skip
 
 

@@ -5,6 +5,10 @@ traced. The summary's rate is over the time the batches were received
 (``LedgerSnapshot.receiving_s``, ``FinalFigures.received_mb_per_s``), not over the window after
 the first step, in which nothing came: that said ``received 0 B/s`` after every batch had
 been received and trained.
+
+Worker 1's producer stops 2 batches short of its shard, so its data ends first and the cluster
+stops there: the chief says that the 2 batches worker 0 still held are not trained (a cluster
+trains in lockstep; docs/resume.md, "Several trainer workers").
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 END_S = 240  # two TensorFlow workers and two producers on two shared cores
 SCHEMA = "tests.matrix.data:SCHEMA"
+SHORT = 2  # worker 1's shard, short by this many batches
 
 
 def test_a_worker_whose_batches_all_came_before_its_first_step_says_their_rate(
@@ -40,21 +45,25 @@ def test_a_worker_whose_batches_all_came_before_its_first_step_says_their_rate(
     # One producer process a worker: with two, the first could deliver all of its batches and
     # end before the second connected, and a worker whose every connected producer has ended
     # has seen the end of its data (docs/guarantees.md): the second's batches came too late.
+    per_worker = data.total_batches() // 2
+    sent = [per_worker, per_worker - SHORT]
     for i in range(2):
         start_cli(
             ["produce", "--connect", feeds[i], "--workers", "1", "--shard-group", f"{i}/2",
-             "--schema", SCHEMA, "--source", "tests.matrix.data:stream"],
+             "--schema", SCHEMA, "--source", "tests.matrix.data:stream",
+             "--max-batches", str(sent[i])],
             name=f"producer-{i}",
         )  # fmt: skip
-    per_worker = data.total_batches() // 2
     for i, worker in enumerate(workers):
         code = worker.wait(END_S)
         log = worker.output()
         assert code == 0, log[-4000:]
         summary = json.loads((tmp_path / f"worker-{i}.json").read_text())
-        assert summary["batches"]["received"] == per_worker, summary["batches"]
-        assert summary["batches"]["trained"] == per_worker, summary["batches"]
-        received_mb = per_worker * data.SCHEMA.batch_bytes / 2**20
+        assert summary["batches"]["received"] == sent[i], summary["batches"]
+        assert summary["batches"]["trained"] == sent[1], summary["batches"]
+        untrained = f"the data of worker 1 ended first: {SHORT} batches the other workers held"
+        assert (untrained in log) == (i == 0), log[-3000:]
+        received_mb = sent[i] * data.SCHEMA.batch_bytes / 2**20
         # Over the time the batches came, never longer than the run itself
         assert summary["received_mb_per_s"] >= received_mb / summary["wall_s"], summary
         assert "received 0 B/s" not in log and "received -" not in log, log[-3000:]

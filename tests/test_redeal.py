@@ -79,6 +79,69 @@ def test_a_redeal_of_two_shards_to_three_names_each_new_shards_batches():
     assert redeal(alone, 3).streams[0].to_dict() == {"next": 0, "above": [1], "end": None}
 
 
+def _cluster_union(rng: random.Random, workers: int, per_worker: int, steps: int,
+                   epochs: int) -> InputPosition:
+    """A cluster's union after ``steps`` lockstep steps: each worker trained one batch a step
+    from its own producer's shards (``worker_info``: group ``w`` holds shards ``w, w+K,
+    ...``), each shard one stream of ``epochs`` epochs, the batches taken nearly in arrival
+    order (two enqueue threads: a few holes)."""
+    shards = workers * per_worker
+    position = InputPosition(shards, order=ORDER)
+    for worker in range(workers):
+        mine = [worker + i * workers for i in range(per_worker)]
+        length = {s: epochs * ORDER.shard_batches(s, shards) for s in mine}
+        arrived = [(s, seq) for seq in range(max(length.values())) for s in mine
+                   if seq < length[s]]  # fmt: skip
+        window = arrived[: steps + rng.randint(0, 3)]
+        for shard, seq in rng.sample(window, steps):
+            position.streams.setdefault(shard, StreamPosition()).add(seq)
+    return position
+
+
+def _left_per_group(position: InputPosition, groups: int, epochs: int) -> list[int]:
+    """Untrained batches of each group ``g`` of ``groups`` (its shards ``g, g+groups, ...``)."""
+    left = [0] * groups
+    for shard in range(position.shards):
+        stream = position.streams.get(shard, StreamPosition())
+        total = epochs * ORDER.shard_batches(shard, position.shards)
+        trained = stream.next + len(stream.above)
+        left[shard % groups] += total - trained
+    return left
+
+
+@pytest.mark.parametrize(("per_worker", "new_per_worker"), [(1, 2), (2, 1), (1, 3), (2, 5)])
+def test_a_clusters_checkpoint_dealt_out_to_another_producer_count_leaves_each_worker_as_many(
+    per_worker, new_per_worker
+):
+    """Two workers in lockstep, resumed with another producer count a worker: with the
+    interleaved groups every worker has as many batches left, so a cluster, which stops at the
+    step where the first worker has none, trains them all (the promise matrix's cluster
+    chain failed with blocks of shards: 35 and 37 left, 2 batches never trained)."""
+    rng = random.Random(per_worker * 10 + new_per_worker)
+    for _ in range(40):
+        steps = rng.randint(1, 2 * ORDER.batches // 2 - 1)
+        union = _cluster_union(rng, 2, per_worker, steps, epochs=2)
+        dealt = redeal(union, 2 * new_per_worker)
+        left = _left_per_group(dealt, 2, epochs=2)
+        assert left[0] == left[1] == 2 * ORDER.batches // 2 - steps, (steps, left)
+
+
+def test_blocks_of_shards_would_leave_the_workers_unequal_data():
+    """Why groups interleave: a checkpoint like the matrix's (shard 0 trained below 11 and 12,
+    shard 1 below 12; two epochs as one stream) dealt out to 4 shards leaves the interleaved
+    groups 12 batches each, blocks (shards 0-1, 2-3) 11 and 13: the cluster would stop after
+    11 more steps, 2 batches of the second worker never trained."""
+    union = InputPosition(2, order=ORDER)
+    union.streams[0] = StreamPosition(11, {12})
+    union.streams[1] = StreamPosition(12)
+    dealt = redeal(union, 4)
+    assert _left_per_group(dealt, 2, epochs=2) == [12, 12]
+    blocks = [0, 0]
+    for shard, left in enumerate(_left_per_group(dealt, 4, epochs=2)):
+        blocks[shard // 2] += left
+    assert blocks == [11, 13]
+
+
 def test_what_cannot_be_dealt_out_again_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="no data order"):
         redeal(InputPosition(2, {0: StreamPosition(3)}), 3)

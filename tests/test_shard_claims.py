@@ -208,38 +208,53 @@ def test_an_end_counts_only_from_the_owner_at_the_shards_reach(peers):
     assert books.missing() == {}
 
 
-def test_a_cluster_worker_waits_for_the_other_shards_of_a_produce_command_that_joined(peers):
+@pytest.mark.parametrize(("other", "shards", "group"),
+                         [(1, 2, {}), (2, 4, {"group_stride": 2})],
+                         ids=["block", "interleaved"])  # fmt: skip
+def test_a_cluster_worker_waits_for_the_other_shards_of_a_produce_command_that_joined(
+    peers, other, shards, group
+):
     """A cluster worker waits only for shards that joined it (``joined_only``). Before: shard
-    0 of a ``produce --workers 2`` delivered and ended before shard 1 connected, and the
-    worker's data had ended: shard 1, connecting later, was stranded. Its hello's group
-    (``group_first``, ``group_shards``) now names both, and the worker waits for shard 1."""
+    0 of a ``produce --workers 2`` delivered and ended before its other shard connected, and
+    the worker's data had ended: the other shard, connecting later, was stranded. Its hello's
+    group (``group_first``, ``group_shards``, and ``group_stride``: 1, a block, if absent; the
+    number of groups from a ``produce`` of today) now names both, and the worker waits."""
     intake = _intake(joined_only=True)
     books = intake.ledger.shards
     first = peers(intake)
-    assert _hello(first, 0, 2, group_first=0, group_shards=2)["t"] == "welcome"
+    fields = {"group_first": 0, "group_shards": 2, **group}
+    assert _hello(first, 0, shards, **fields)["t"] == "welcome"
     _send(first, [0, 1])
     first.send(protocol.encode_control("end", seq=2))
     _wait(lambda: books.position().of(0).end == 2, "shard 0's end booked")
-    assert books.missing() == {1: 0}
+    assert books.missing() == {other: 0}
     time.sleep(0.5)  # the intake looks at the end of the data after every message
     assert not intake.data_ended()
-    assert "1" not in books.position().to_dict()["streams"]  # expected, not in the position
+    assert str(other) not in books.position().to_dict()["streams"]  # expected, not there
     late = peers(intake)
-    assert _hello(late, 1, 2, group_first=0, group_shards=2)["t"] == "welcome"
+    assert _hello(late, other, shards, **fields)["t"] == "welcome"
     _send(late, [0, 1])
     late.send(protocol.encode_control("end", seq=2))
-    _wait(intake.data_ended, "the data ended once shard 1 ended too")
+    _wait(intake.data_ended, "the data ended once the other shard ended too")
     assert books.missing() == {}
 
 
-@pytest.mark.parametrize(("shard", "shards", "first", "count"), [(2, 4, 0, 2), (1, 2, 0, 3)],
-                         ids=["shard-outside", "group-past-shards"])  # fmt: skip
-def test_a_hello_whose_group_does_not_hold_its_shard_is_refused(peers, shard, shards, first,
-                                                                count):  # fmt: skip
+@pytest.mark.parametrize(
+    ("shard", "shards", "group", "named"),
+    [(2, 4, (0, 2, 1), "0..1"), (1, 2, (0, 3, 1), "0..2"), (1, 4, (0, 2, 2), "0..2, every 2"),
+     (0, 4, (0, 3, 2), "0..4, every 2")],
+    ids=["shard-outside", "group-past-shards", "shard-between", "interleaved-past-shards"],
+)  # fmt: skip
+def test_a_hello_whose_group_does_not_hold_its_shard_is_refused(peers, shard, shards, group,
+                                                                named):  # fmt: skip
     intake = _intake(joined_only=True)
-    refused = _hello(peers(intake), shard, shards, group_first=first, group_shards=count)
+    first, count, stride = group
+    fields = {"group_first": first, "group_shards": count}
+    if stride > 1:
+        fields["group_stride"] = stride
+    refused = _hello(peers(intake), shard, shards, **fields)
     assert refused["t"] == "refused" and refused["reason"] == "shard", refused
-    assert f"is not in its group {first}..{first + count - 1}" in refused["detail"]
+    assert f"is not in its group {named}" in refused["detail"]
 
 
 @pytest.mark.parametrize("save", [True, False], ids=["save", "no-save"])

@@ -2,7 +2,7 @@
 its own group of shards (docs/resume.md, "The source contract").
 
 - ``worker_info``: worker ``i`` of ``--workers N`` in group ``G`` of ``K`` is shard
-  ``G*N + i`` of ``K*N``, seeded ``seed + G*N + i``;
+  ``G + i*K`` of ``K*N`` (groups interleave), seeded ``seed + G + i*K``;
 - a bad value, on the command line or in ``STAGEFEED_SHARD_GROUP``, fails at start in one
   line naming it (exit 2);
 - real processes: one trainer with ``--save`` fed by two ``produce --workers 1`` commands,
@@ -17,6 +17,7 @@ import json
 import pytest
 
 from stagefeed.cli import build_parser
+from stagefeed.common import protocol
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.options import ProducerOptions
 from stagefeed.common.position import MAX_SHARDS
@@ -36,7 +37,7 @@ def test_worker_info_is_the_global_shard_and_seed():
         for i in range(3)
     ]
     assert [(w.index, w.count, w.seed) for w in infos] == [
-        (shard, 6, 10 + shard) for shard in range(6)
+        (shard, 6, 10 + shard) for shard in (0, 2, 4, 1, 3, 5)
     ]
     assert len({w.producer_id for w in infos}) == 6
     # The default is the only group: shard i of N, as before --shard-group.
@@ -50,8 +51,8 @@ def test_each_hello_names_the_shards_of_its_produce_command():
     for group in (0, 1):
         options = ProducerOptions(workers=3, shard_group=(group, 2))
         fields = group_fields(options)
-        block = range(fields["group_first"], fields["group_first"] + fields["group_shards"])
-        assert list(block) == [worker_info(options, i).index for i in range(3)]
+        named = protocol.group_of_hello(fields)
+        assert list(named) == [worker_info(options, i).index for i in range(3)]
 
 
 def test_the_flag_and_its_variable_give_the_group(monkeypatch):

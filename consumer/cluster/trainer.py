@@ -43,7 +43,7 @@ from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, resume_point
 from stagefeed.consumer.cluster import loop
-from stagefeed.consumer.cluster.collective_stop import vote_for
+from stagefeed.consumer.cluster.collective_stop import ClusterVerdict, vote_for
 from stagefeed.consumer.cluster.peer_stop import PeerStop
 from stagefeed.consumer.cluster.positions import share_resume, union_position
 from stagefeed.consumer.cluster.shared_state import broadcast_variables, sum_over_workers
@@ -181,6 +181,7 @@ class ClusterTrainer(KerasTrainer):
         if end.verdict.ending is Ending.DRAIN:
             self.data_ended = mine.data_ended
             self.drained_because = end.verdict.reason
+            self._say_untrained(end.verdict)
         if self.checkpoints is not None and not failed:  # a collective: every worker or none
             finished = end.verdict.reason if end.verdict.ending is Ending.DRAIN else ""
             self.checkpoints.final(self.steps_done, finished or self.finished(self.steps_done))
@@ -188,6 +189,16 @@ class ClusterTrainer(KerasTrainer):
             # may let its producers go (``Checkpoints.confirm_written``).
             sum_over_workers(self.cluster.strategy, [0.0])
             self.checkpoints.confirm_written()
+
+    def _say_untrained(self, verdict: ClusterVerdict) -> None:
+        """(the chief) The batches other workers still held when the first worker's data
+        ended: never trained, since the final state is finished (unequal data per worker)."""
+        assert self.cluster_totals is not None
+        left = self.cluster_totals["abandoned"] + self.cluster_totals["queued"]
+        if self.cluster.chief and left and len(verdict.no_data) < len(verdict.votes):
+            log.warning("cluster: %s first: %d batches the other workers held are not trained "
+                        "(the workers had unequal data: docs/resume.md, 'Several trainer "
+                        "workers')", verdict.reason, left)  # fmt: skip
 
     def _sum_books(self, steps: int, failed: bool) -> tuple[dict[str, int], int]:
         """The cluster's books: every worker's totals summed (one all-reduce, which every

@@ -285,8 +285,9 @@ def routable(router: zmq.Socket, routing_id: bytes) -> bool:
 
 
 def _group_problem(shard: int, shards: int, header: dict) -> str | None:
-    """Why a hello's ``group_first``/``group_shards`` do not hold its shard within ``shards``."""
+    """Why a hello's group (``group_first``, ...) does not hold its shard within ``shards``."""
     group = protocol.group_of_hello(header)
-    if group is None or (shard in group and group.stop <= shards):
+    if group is None or (shard in group and group[-1] < shards):
         return None
-    return f"shard {shard} of {shards} is not in its group {group.start}..{group.stop - 1}"
+    every = f", every {group.step}" if group.step > 1 else ""
+    return f"shard {shard} of {shards} is not in its group {group.start}..{group[-1]}{every}"
