@@ -109,21 +109,28 @@ def _left_per_group(position: InputPosition, groups: int, epochs: int) -> list[i
     return left
 
 
-@pytest.mark.parametrize(("per_worker", "new_per_worker"), [(1, 2), (2, 1), (1, 3), (2, 5)])
-def test_a_clusters_checkpoint_dealt_out_to_another_producer_count_leaves_each_worker_as_many(
-    per_worker, new_per_worker
+@pytest.mark.parametrize(
+    ("workers", "per_worker", "new_workers", "new_per_worker"),
+    [(2, 1, 2, 2), (2, 2, 2, 1), (2, 1, 2, 3), (2, 2, 2, 5), (4, 1, 2, 3), (4, 2, 1, 1),
+     (2, 3, 1, 2)],
+)  # fmt: skip
+def test_a_clusters_checkpoint_dealt_out_again_leaves_each_worker_as_many(
+    workers, per_worker, new_workers, new_per_worker
 ):
-    """Two workers in lockstep, resumed with another producer count a worker: with the
-    interleaved groups every worker has as many batches left, so a cluster, which stops at the
-    step where the first worker has none, trains them all (the promise matrix's cluster
-    chain failed with blocks of shards: 35 and 37 left, 2 batches never trained)."""
-    rng = random.Random(per_worker * 10 + new_per_worker)
+    """Workers in lockstep, resumed with another producer count a worker, on the same number
+    of workers or on one that divides it: with the interleaved groups every worker has as
+    many batches left, so a cluster, which stops at the step where the first worker has none,
+    trains them all (the promise matrix's cluster chain failed with blocks of shards: 35 and
+    37 left, 2 batches never trained)."""
+    rng = random.Random(workers * 1000 + per_worker * 100 + new_workers * 10 + new_per_worker)
+    per_epoch = ORDER.batches // workers  # each old worker's share of an epoch
     for _ in range(40):
-        steps = rng.randint(1, 2 * ORDER.batches // 2 - 1)
-        union = _cluster_union(rng, 2, per_worker, steps, epochs=2)
-        dealt = redeal(union, 2 * new_per_worker)
-        left = _left_per_group(dealt, 2, epochs=2)
-        assert left[0] == left[1] == 2 * ORDER.batches // 2 - steps, (steps, left)
+        steps = rng.randint(1, 2 * per_epoch - 1)
+        union = _cluster_union(rng, workers, per_worker, steps, epochs=2)
+        dealt = redeal(union, new_workers * new_per_worker)
+        left = _left_per_group(dealt, new_workers, epochs=2)
+        expected = (2 * ORDER.batches - workers * steps) // new_workers
+        assert left == [expected] * new_workers, (steps, left)
 
 
 def test_blocks_of_shards_would_leave_the_workers_unequal_data():
