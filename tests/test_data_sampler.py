@@ -13,7 +13,13 @@ from stagefeed.producer.data.arrays import ArrayRecords
 from stagefeed.producer.data.records import BadRecord
 from stagefeed.producer.data.sampler import Sampler
 from stagefeed.producer.data.source import MapSource
-from stagefeed.producer.sources import WorkerInfo, is_passing, is_seekable
+from stagefeed.producer.sources import (
+    FillingStream,
+    WorkerInfo,
+    is_passing,
+    is_seekable,
+    open_stream,
+)
 
 IDS = Schema((ArraySpec("id", "int64"),), batch_size=4)
 
@@ -182,3 +188,20 @@ def test_a_transform_that_raises_or_makes_a_wrong_row_is_a_bad_record():
         "arrays record 1: draw is float64, expected float32",
         "arrays record 2: the transform failed: ValueError: cannot tokenize",
     ]
+
+
+@pytest.mark.parametrize("records", [ids(20), Flaky(20, {6})], ids=["take", "record-by-record"])
+def test_a_map_source_writes_each_batch_into_the_buffer_it_is_given(records):
+    """A ``MapSource`` call is a filling source: ``open_stream`` makes it a ``FillingStream``,
+    whose ``fill_into`` (a shared-memory slot's arrays) writes the batch in place, no batch
+    made beside it; the same batches as iterating."""
+    source = MapSource(records, seed=4, on_bad_record="skip")
+    worker = WorkerInfo(1, 2, "p", 0, epoch=1)
+    expected = [b["id"].tolist() for b in source(IDS, worker)]
+    stream = open_stream("mine:data", IDS, worker, pool_size=2, factory=source)
+    assert isinstance(stream, FillingStream)
+    slot = {"id": np.full(4, -1, np.int64)}
+    got = []
+    while stream.fill_into(slot):
+        got.append(slot["id"].tolist())
+    assert got == expected and len(got) == 2

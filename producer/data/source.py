@@ -6,9 +6,10 @@ it starts at ``worker.start``, the shard's batch within the epoch), so resume an
 work with the trainer as it is. ``MapSource(records, epochs=E)`` makes no passes: each call
 is the shard's E epochs as one stream (``worker.start`` counts along all of them), for a
 trainer that takes no passes (a cluster's workers: docs/resume.md, "Several trainer
-workers"). Each call yields this shard's full batches of that epoch
-(``sampler``), each record read, transformed with its own generator (``transform``) and
-checked against the schema, in fresh arrays.
+workers"). Each call is this shard's full batches of that epoch (``sampler``), each record
+read, transformed with its own generator (``transform``) and checked against the schema: a
+``MapStream``, which writes each batch into the producer's buffer (over shared memory, the
+slot the trainer reads: the records are copied once), or yields fresh arrays when iterated.
 
 Bad records (``on_bad_record``): ``fail`` ends the source in one line naming the record's
 file and index (a ``ConfigError``: exit 2); ``skip`` leaves the record out, counts it, logs
@@ -131,17 +132,18 @@ class MapSource:
                     f"the schema says {spec.dtype}{list(spec.shape)}"
                 )
 
-    def __call__(self, schema: Schema, worker: WorkerInfo) -> Iterator[dict[str, np.ndarray]]:
+    def __call__(self, schema: Schema, worker: WorkerInfo) -> MapStream:
         self.check(schema)
         sampler = self.sampler(schema.batch_size)
         if sampler.tail and worker.index == 0 and worker.start == 0:
             log.info("%s: epoch %d leaves out its last %d records (--short-batch drop)",
                      self.name, worker.epoch, sampler.tail)  # fmt: skip
-        return self._batches(schema, worker, sampler)
+        return MapStream(self, schema, self._plan(worker, sampler))
 
-    def _batches(
-        self, schema: Schema, worker: WorkerInfo, sampler: Sampler
-    ) -> Iterator[dict[str, np.ndarray]]:
+    def _plan(
+        self, worker: WorkerInfo, sampler: Sampler
+    ) -> Iterator[tuple[np.ndarray, int, int]]:
+        """``(indices, epoch, number)`` of each batch of this call, in order."""
         mine = sampler.shard_batches(worker.index, worker.count)
         if self.epochs is None:  # one pass: this epoch, from the shard's batch ``start`` of it
             first, start, last = worker.epoch, worker.start, worker.epoch + 1
@@ -151,17 +153,30 @@ class MapSource:
         for epoch in range(first, last):
             order = sampler.order(epoch)
             for number in mine[start if epoch == first else 0 :]:
-                yield self.batch(schema, sampler.batch(order, number), epoch, number)
+                yield sampler.batch(order, number), epoch, number
 
     def batch(
         self, schema: Schema, indices: np.ndarray, epoch: int, number: int
     ) -> dict[str, np.ndarray]:
-        """Global batch ``number`` of epoch ``epoch``: the records ``indices``."""
+        """Global batch ``number`` of epoch ``epoch``, the records ``indices``, in fresh
+        arrays."""
+        out = {s.name: np.empty(schema.batch_shape(s), s.np_dtype) for s in schema.arrays}
+        self.write_batch(out, schema, indices, epoch, number)
+        return out
+
+    def write_batch(
+        self, out: dict[str, np.ndarray], schema: Schema, indices: np.ndarray, epoch: int,
+        number: int,
+    ) -> None:
+        """Global batch ``number`` of epoch ``epoch`` written into ``out`` (one array per
+        schema array, each of the batch's shape: a shared-memory slot's, so that a record is
+        written once, where the trainer reads it)."""
         take = getattr(self.records, "take", None)
         if self.transform is None and callable(take):
             arrays = take(indices)
-            return {s.name: np.ascontiguousarray(arrays[s.name], s.np_dtype) for s in schema.arrays}
-        out = {s.name: np.empty(schema.batch_shape(s), s.np_dtype) for s in schema.arrays}
+            for spec in schema.arrays:
+                out[spec.name][...] = arrays[spec.name]
+            return
         bad_rows = []
         for row, index in enumerate(indices.tolist()):
             try:
@@ -174,7 +189,6 @@ class MapSource:
                 out[name][row] = value
         if bad_rows:
             self._fill(out, bad_rows, number, epoch)
-        return out
 
     def _record(self, schema: Schema, index: int, epoch: int) -> dict[str, np.ndarray]:
         record: Any = self.records.record(index)
@@ -218,3 +232,30 @@ class MapSource:
             return ""
         return (f"{self.bad} bad records skipped (--on-bad-record skip), the first: "
                 + "; ".join(self.bad_shown))  # fmt: skip
+
+
+class MapStream:
+    """One call of a ``MapSource``: its batches, in order. A *filling* source
+    (``producer.sources``): ``fill(out)`` writes the next batch into the producer's buffer
+    (over shared memory, the slot itself: no copy of the batch); iterating yields each batch
+    in fresh arrays instead."""
+
+    def __init__(
+        self, source: MapSource, schema: Schema, plan: Iterator[tuple[np.ndarray, int, int]]
+    ) -> None:
+        self._source, self._schema, self._plan = source, schema, plan
+
+    def fill(self, out: dict[str, np.ndarray]) -> bool:
+        """The next batch into ``out``; False at the end of the call's batches."""
+        item = next(self._plan, None)
+        if item is None:
+            return False
+        self._source.write_batch(out, self._schema, *item)
+        return True
+
+    def __iter__(self) -> MapStream:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        indices, epoch, number = next(self._plan)
+        return self._source.batch(self._schema, indices, epoch, number)
