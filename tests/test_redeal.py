@@ -17,7 +17,7 @@ from stagefeed.common.errors import ConfigError, ProtocolError
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.position import InputPosition, StreamPosition, epoch_of
 from stagefeed.consumer.books.ledger import Ledger
-from stagefeed.consumer.books.redeal import redeal
+from stagefeed.consumer.books.redeal import check_even, redeal
 from stagefeed.consumer.books.shard_books import ShardBooks
 from stagefeed.consumer.intake.intake import Intake
 from tests import test_shard_claims
@@ -131,6 +131,7 @@ def test_a_clusters_checkpoint_dealt_out_again_leaves_each_worker_as_many(
         left = _left_per_group(dealt, new_workers, epochs=2)
         expected = (2 * ORDER.batches - workers * steps) // new_workers
         assert left == [expected] * new_workers, (steps, left)
+        check_even(union, new_workers, "the checkpoint")  # what the cluster checks at start
 
 
 def test_blocks_of_shards_would_leave_the_workers_unequal_data():
@@ -147,6 +148,34 @@ def test_blocks_of_shards_would_leave_the_workers_unequal_data():
     for shard, left in enumerate(_left_per_group(dealt, 4, epochs=2)):
         blocks[shard // 2] += left
     assert blocks == [11, 13]
+
+
+def test_a_checkpoint_that_leaves_workers_unequal_batches_is_refused_naming_it():
+    """One trainer's checkpoint of two shards, shard 0 trained further (a faster producer):
+    on two workers, worker 0 (the even global batches) would have fewer left. Refused in one
+    line naming the checkpoint; fine on one trainer, and when the shards are even."""
+    uneven = InputPosition(2, order=ORDER)
+    uneven.streams[0] = StreamPosition(5)
+    uneven.streams[1] = StreamPosition(2)
+    with pytest.raises(ConfigError) as info:
+        check_even(uneven, 2, "the checkpoint ckpt/state-000007.json")
+    assert str(info.value).startswith(
+        "the checkpoint ckpt/state-000007.json cannot resume exactly on 2 trainer workers: its "
+        "workers' groups of shards hold [5, 2] trained batches"
+    )
+    check_even(uneven, 1, "x")
+    uneven.streams[1] = StreamPosition(5)
+    check_even(uneven, 2, "x")
+    # Without an order the shards stay: group w holds shards w, w+K, ...
+    plain = InputPosition(4)
+    for shard, trained in enumerate([3, 1, 2, 2]):
+        plain.streams[shard] = StreamPosition(trained)
+    with pytest.raises(ConfigError, match=r"hold \[5, 3\] trained batches"):
+        check_even(plain, 2, "x")
+    plain.streams[1] = StreamPosition(3)
+    check_even(plain, 2, "x")
+    with pytest.raises(ConfigError, match=r"hold \[3, 3, 2, 2\] trained batches"):
+        check_even(plain, 4, "x")
 
 
 def test_what_cannot_be_dealt_out_again_is_refused_in_one_line():

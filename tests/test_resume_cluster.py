@@ -187,6 +187,42 @@ def test_two_workers_killed_resume_as_one_trainer_and_train_every_row_exactly_ep
 
 
 @pytest.mark.slow
+def test_a_checkpoint_that_would_leave_the_workers_unequal_batches_is_refused_at_start(
+    start_cli, tmp_path
+):
+    """One trainer fed by two producers of a MapSource (shards 0 and 1 of 2), shard 0 ten
+    times as fast, killed at a checkpoint, then resumed as a cluster of two: worker 0 (shard
+    0's global batches) would have far fewer batches left than worker 1, and the cluster would
+    stop with some of worker 1's never trained. Both workers refuse at start in one line
+    naming the checkpoint (exit 2), and nothing is trained or written."""
+    run = ClusterRun(start_cli, tmp_path)
+    one = start_cli(["train", *MODEL, "--bind", run.feeds[0], "--steps", "0",
+                     "--checkpoint-every", "5", "--save", str(run.save(0))],
+                    name="one-trainer")  # fmt: skip
+    run.trainers = [one]
+    run.producers = [
+        start_cli(
+            ["produce", "--connect", run.feeds[0], "--workers", "1", "--shard-group",
+             f"{group}/2", "--schema", "tests.helpers.resume_models:SCHEMA",
+             "--source", "tests.helpers.resume_models:mapped", "--rate", rate],
+            name=f"one-producer-{group}",
+        )  # fmt: skip
+        for group, rate in ((0, "40"), (1, "4"))
+    ]
+    run.kill_at(r"step 10: checkpoint", producers=True)
+    states = sorted((run.save(0) / "checkpoints").glob("state-*.json"))
+    run.start_trainers("refused")
+    for trainer in run.trainers:
+        assert trainer.wait(TIMEOUT_S) == 2, log_text(trainer)[-4000:]
+        errors = [s for s in log_text(trainer).splitlines() if s.startswith("stagefeed: error")]
+        assert len(errors) == 1, errors
+        assert "cannot resume exactly on 2 trainer workers" in errors[0], errors
+        assert f"the checkpoint {states[-1]}" in errors[0], errors
+        assert "Traceback" not in log_text(trainer)
+    assert sorted((run.save(0) / "checkpoints").glob("state-*.json")) == states
+
+
+@pytest.mark.slow
 def test_a_shard_fed_to_two_workers_is_refused_at_the_first_checkpoint(start_cli, tmp_path):
     """Both producers say they are shard 0 of 2, one to each worker: each worker would train
     that shard's batches, blind to the other's. At the first checkpoint every worker stops

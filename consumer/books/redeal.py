@@ -14,6 +14,14 @@ The new position has the epochs the old one ended as ended passes (``passes``), 
 (the producers say it again) and the same order. Refused (``ConfigError``, one line):
 a position without an order, with an approximate shard, or whose pass ends do not match
 the order's deal (another source wrote it).
+
+Trainer workers (``check_even``): a checkpoint resumes exactly on ``K`` workers of a cluster
+only if it leaves them as many batches. Worker ``G`` is fed by ``--shard-group G/K``, whose
+shards ``G, G+K, ...`` (``producer.worker.worker_info``) carry the global batches ``= G mod
+K`` at any producer count; a step trains a batch on every worker, so the cluster stops at the
+step where the first worker has none left. The same number of workers as the checkpoint's, or
+one that divides it, always passes (each new worker's batches are whole old workers'); another
+number usually does not, and is refused at start in one line on every worker.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ def redeal(position: InputPosition, shards: int) -> InputPosition:
     if position.approximate:
         raise ConfigError(f"shards {sorted(position.approximate)} could not seek: their "
                           "position is approximate")  # fmt: skip
-    trained = _global_trained(position, order)
+    trained = global_trained(position, order)
     # The epochs the old position ended, as the trainer's resume plan counts them (an epoch
     # trained in full whose pass ends were not all said yet is ended by the new producers).
     done = epoch_of(position)
@@ -50,7 +58,7 @@ def redeal(position: InputPosition, shards: int) -> InputPosition:
     return out
 
 
-def _global_trained(position: InputPosition, order: DataOrder) -> np.ndarray:
+def global_trained(position: InputPosition, order: DataOrder) -> np.ndarray:
     """``[epochs, batches]`` booleans: which global batch of which epoch was trained (up to one
     row past the last epoch touched)."""
     old = position.shards
@@ -71,3 +79,26 @@ def _global_trained(position: InputPosition, order: DataOrder) -> np.ndarray:
     trained = np.zeros(epochs * order.batches, bool)
     trained[flat] = True
     return trained.reshape(epochs, order.batches)
+
+
+def check_even(position: InputPosition, workers: int, where: str) -> None:
+    """``ConfigError`` (one line naming ``where``, the checkpoint) unless ``position`` leaves
+    each of ``workers`` workers as many batches to train (see the module docstring)."""
+    if workers < 2:
+        return
+    if position.order is not None:
+        trained = global_trained(position, position.order)
+        done = [int(trained[:, w::workers].sum()) for w in range(workers)]
+    elif position.shards % workers == 0:  # no order: the shards stay, group w has w, w+K, ...
+        done = [0] * workers
+        for shard, stream in position.streams.items():
+            done[shard % workers] += stream.next + len(stream.above)
+    else:
+        return  # another shard count, refused at the producers' hellos
+    if len(set(done)) > 1:
+        raise ConfigError(
+            f"{where} cannot resume exactly on {workers} trainer workers: its workers' groups "
+            f"of shards hold {done} trained batches, and a cluster steps on every worker at "
+            "once, so it would stop with batches of some untrained; resume on the number of "
+            "workers that wrote it, one that divides it, or one trainer"
+        )

@@ -13,6 +13,9 @@ Each shard feeds one worker (a producer connects to one trainer with its shard: 
   the model was saved and at the same step (MultiWorkerMirroredStrategy's steps are in
   lockstep, so every worker's books hold the same step's batches).
 
+A checkpoint resumes on ``K`` workers only if it leaves them as many batches
+(``consumer.books.redeal.check_even``, at start, on every worker).
+
 A shard that joined two workers would have its batches booked twice, each worker blind to the
 other's in-flight batches: ``union_position`` raises ``ConfigError`` naming it (on every
 worker, at the same step, since every worker computes the same union).

@@ -25,7 +25,10 @@ Resume (docs/resume.md, "Several trainer workers"): each shard feeds one worker,
 hold the batches its steps trained; the chief's checkpoint (only its ``--save DIR`` is read)
 reaches every worker at start with its weights (``consumer.cluster.positions``), and every
 checkpoint's position is the union of every worker's books, which the chief writes with the
-model. Step numbers, ``--steps`` and checkpoints go on from the checkpoint's step.
+model. Step numbers, ``--steps`` and checkpoints go on from the checkpoint's step. A
+checkpoint that would leave the workers unequal batches (another number of workers) is
+refused on every worker at start (``consumer.books.redeal.check_even``): the cluster would
+stop at the first worker's last batch, the others' left untrained.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from stagefeed.common.lifecycle import join_threads
 from stagefeed.common.options import TrainerOptions
 from stagefeed.common.tf_config import ClusterPlace
 from stagefeed.consumer import model_ref
+from stagefeed.consumer.books.redeal import check_even
 from stagefeed.consumer.checkpoints import Checkpoints, ModelFormat, resume_point
 from stagefeed.consumer.cluster import loop
 from stagefeed.consumer.cluster.collective_stop import ClusterVerdict, vote_for
@@ -113,6 +117,7 @@ class ClusterTrainer(KerasTrainer):
         # The chief decides (its restore waits: ``model_format``), then every worker has it.
         resumed = share_resume(cluster, resume_point(options, model_format, cluster.chief))
         if resumed is not None:
+            check_even(resumed.position, cluster.count, f"the checkpoint {resumed.path}")
             with cluster.strategy.scope():
                 if not model.optimizer.built:
                     model.optimizer.build(model.trainable_variables)
