@@ -75,12 +75,9 @@ def worker_info(options: ProducerOptions, index: int) -> WorkerInfo:
     ``G + index * K`` of ``K * workers`` for ``--shard-group G/K``, and the seed
     ``seed + shard`` (each group draws other data; ``0/1``: shard ``index``, as before).
 
-    Groups interleave (group ``G`` holds the shards ``= G mod K``) so that a cluster's
-    checkpoint dealt out to another producer count (``consumer.books.redeal``) leaves every
-    worker as many batches: worker ``G`` trained one batch a step, all of them global
-    batches ``= G mod K``, and the new count's group ``G`` holds exactly those places again.
-    Blocks of shards would give one worker more of the untrained places than another, and a
-    cluster stops at the step where the first worker has none left."""
+    Groups interleave (group ``G`` holds the shards ``= G mod K``, so the global batches ``=
+    G mod K`` at any producer count): a cluster's checkpoint dealt out to another producer
+    count then leaves every worker as many batches (``consumer.books.redeal`` says why)."""
     group, groups = options.shard_group
     shard = group + index * groups
     return WorkerInfo(shard, groups * options.workers, producer_id(shard), options.seed + shard)
