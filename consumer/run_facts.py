@@ -19,7 +19,9 @@ from stagefeed.consumer.books.books import LedgerSnapshot
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One train step. ``wait_s``: time the step waited for a batch before it could run."""
+    """One train step, or ``steps`` of them run by one call (Keras' ``steps_per_execution``):
+    ``step`` is the last; ``wait_s``, ``step_s`` are the call's. ``wait_s``: time the step
+    waited for a batch before it could run."""
 
     step: int  # 1-based, warm-up steps included
     timed: bool  # False for warm-up steps
@@ -28,6 +30,12 @@ class StepRecord:
     loss: float
     queue_batches: int  # batches in the FIFOQueue when the step started
     at: float  # time.monotonic() at the end of the step
+    steps: int = 1  # the train steps this record covers
+
+    @property
+    def ms_per_step(self) -> float:
+        """Wait and compute of one of its steps, in milliseconds."""
+        return 1000.0 * (self.wait_s + self.step_s) / self.steps
 
 
 class StepClock:

@@ -70,6 +70,24 @@ def test_warn_only_warns_and_a_finite_source_is_trained_to_its_last_batch():
     assert "received 6, trained 6, queued at stop 0," in done.stdout, done.stdout
 
 
+def test_steps_per_execution_counts_every_step_of_each_call_in_the_figures(tmp_path):
+    """A model compiled with ``steps_per_execution=3`` whose every step sleeps 0.2 s: Keras
+    calls back once per call of 3 steps. The figures are per step: ms/step near 0.2 s, not a
+    call's 0.6 s (they counted a call as one step, and examples/s a third of the rate)."""
+    done = run_cli([
+        "run", "--schema", "tests.helpers.regression_models:SCHEMA", "--model",
+        "tests.helpers.regression_models:build_in_calls_of_3", "--source",
+        "tests.helpers.regression_models:sums", "--producers", "1", "--warmup-steps", "0",
+        "--steps", "0", "--max-batches", "9", "--json", str(tmp_path / "summary.json"),
+    ])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "received 9, trained 9, queued at stop 0," in done.stdout, done.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    pause_ms = 1000 * regression_models.STEP_PAUSE_S
+    assert pause_ms <= summary["median_ms"] < 2 * pause_ms, summary
+    assert summary["examples_per_s"] > 4 / (2 * regression_models.STEP_PAUSE_S), summary
+
+
 def test_sigint_stops_fit_while_it_waits_for_batches_and_the_summary_follows(start_cli):
     run = start_cli([*IMAGES, "--steps", "0", "--rate", "4", "--progress-s", "0.5"], name="run")
     # A progress line at step 4 or later (lines come every 0.5 s, not at every step).

@@ -183,3 +183,24 @@ def test_capacity_is_the_best_sample_so_far() -> None:
     monitor.close()
     assert monitor.final is not None
     assert monitor.final.window.producer_capacity_per_s == monitor.capacity_per_s
+
+
+def test_a_record_of_several_steps_counts_each_of_them() -> None:
+    """Keras' ``steps_per_execution``: one record per call of 4 steps. The window counts 4
+    steps a call, each taking a quarter of the call (it said the call's time as ms/step, and
+    a quarter of the examples/s, before); the final window starts after the first call,
+    which holds step 1."""
+    monitor, ledger = _started()
+    index = ledger.open("prod-a")
+    at = time.monotonic()
+    for call in range(1, 4):  # steps 4, 8, 12; a call of 0.4 s, no wait
+        for seq in range(4 * call - 4, 4 * call):
+            ledger.accept(index, seq, 100)
+        at += 0.4
+        monitor.on_step(StepRecord(4 * call, True, 0.0, 0.4, 6.9, 0, at, steps=4))
+    monitor.close()
+    final = monitor.final
+    assert final is not None
+    assert final.window.steps == 8 and final.window.last_step == 12  # after the first call
+    assert final.median_ms == pytest.approx(100.0)
+    assert final.window.compute_ms == pytest.approx(100.0)

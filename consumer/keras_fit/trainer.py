@@ -296,6 +296,7 @@ class _Steps(keras.callbacks.Callback):
         self.books = books  # runs first: its figures of the step are read here
         self._clock = StepClock()
         self._queued = 0
+        self._steps = 0  # booked so far: a call of steps_per_execution books several
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._clock.restart()
@@ -317,7 +318,9 @@ class _Steps(keras.callbacks.Callback):
         record = StepRecord(
             step, step > trainer.options.warmup_steps, wait, step_s,
             math.nan if loss is None else float(loss), self._queued, now,
+            max(1, figures.steps - self._steps),
         )  # fmt: skip
+        self._steps = figures.steps
         self._queued = figures.in_queue
         trainer.after_step(record, figures.in_queue)
 

@@ -50,12 +50,13 @@ class StepCounters:
         with self._lock:
             t = self._totals
             self._totals = StepTotals(
-                steps=t.steps + 1,
+                steps=t.steps + record.steps,
                 last_step=record.step,
                 wait_s=t.wait_s + record.wait_s,
                 step_s=t.step_s + record.step_s,
-                queue_sum=t.queue_sum + record.queue_batches,
-                full_steps=t.full_steps + (record.queue_batches >= self.queue_capacity),
+                queue_sum=t.queue_sum + record.queue_batches * record.steps,
+                full_steps=t.full_steps
+                + record.steps * (record.queue_batches >= self.queue_capacity),
                 loss=record.loss,
             )
 

@@ -146,11 +146,11 @@ class Monitor:
 
     def on_step(self, record: StepRecord) -> None:
         self._counters.add(record)
-        self._step_ms.append((record.step, 1000.0 * (record.wait_s + record.step_s)))
+        self._step_ms.append((record.step, record.ms_per_step))
         if self._tensorboard is not None:
             self._tensorboard.record(record)
         now = record.at
-        is_base = not record.timed or record.step == 1
+        is_base = not record.timed or record.step <= record.steps  # or the first record
         show = now - self._shown_at >= self.progress.interval_s
         advise_now = now - self._advised_at >= self.options.advice_s
         sample = now - self._sampled_at >= CAPACITY_WINDOW_S

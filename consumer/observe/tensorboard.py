@@ -42,11 +42,11 @@ JOIN_TIMEOUT_S = 10.0
 
 
 def step_scalars(record: StepRecord) -> dict[str, float]:
-    """Per-step tags, written at ``record.step``."""
+    """Per-step tags, written at ``record.step`` (a record of several steps: per step)."""
     return {
-        "step/ms": 1000.0 * (record.wait_s + record.step_s),
-        "step/wait_ms": 1000.0 * record.wait_s,
-        "step/compute_ms": 1000.0 * record.step_s,
+        "step/ms": record.ms_per_step,
+        "step/wait_ms": 1000.0 * record.wait_s / record.steps,
+        "step/compute_ms": 1000.0 * record.step_s / record.steps,
         "step/loss": record.loss,
         "step/queue_batches": float(record.queue_batches),
     }

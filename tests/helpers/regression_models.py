@@ -103,6 +103,28 @@ def build(schema):
     return _keras_model()
 
 
+STEP_PAUSE_S = 0.2  # ``build_in_calls_of_3``'s step: at least this long
+
+
+def build_in_calls_of_3(schema):
+    """A linear map whose every step sleeps ``STEP_PAUSE_S``, compiled with
+    ``steps_per_execution=3``: one ``train_function`` call runs 3 steps, at least 0.6 s."""
+    import keras
+    import tensorflow as tf
+
+    from tests.helpers.row_counters import sleep_for
+
+    def paused(features):
+        pause = tf.numpy_function(sleep_for, [tf.constant(STEP_PAUSE_S)], tf.float32)
+        return features + tf.reshape(pause, [])
+
+    inputs = keras.Input((3,), name="features", dtype="float32")
+    hidden = keras.layers.Lambda(paused, output_shape=(3,))(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden), name="paused_linear")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
+    return model
+
+
 # Keras builds that break the convention (docs/tf2.md), one way each.
 def not_a_model(schema):
     return "a model"
