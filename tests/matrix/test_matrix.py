@@ -76,7 +76,8 @@ def _stop_round(run: PathRun, p: Promises, row: str, first: bool) -> None:
                 f"trainer {index} exit {codes[index]}\n{_tail(log)}")
         p.check(row, "Traceback" not in log, f"a traceback in trainer {index}\n{_tail(log)}")
         if run.column.path.startswith("feed_"):
-            p.check(row, sig == signal.SIGKILL or "interrupted" in log, _tail(log))
+            p.check(row, sig == signal.SIGKILL or "interrupted" in log,
+                    f"trainer {index}: no 'interrupted' line\n{_tail(log)}")
         else:
             p.check(row, "stagefeed summary" in log and "interrupted" in log,
                     f"trainer {index}: no interrupted summary\n{_tail(log)}")
