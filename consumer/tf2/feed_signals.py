@@ -15,7 +15,11 @@ C++ raised, and a ``KeyboardInterrupt`` there turns into pybind11's ``RuntimeErr
 while the feed lives, SIGINT's Python handler is ``_on_sigint``: it raises
 ``KeyboardInterrupt`` unless the main thread is in a frame of TensorFlow's package, in which
 case the thread tries again (``_thread.interrupt_main``) every ``RETRY_S`` until it is out,
-and ``close()`` (the ``with`` block's end) raises it if it is still owed.
+and ``close()`` (the ``with`` block's end) raises it if it is still owed. Keras' package is
+treated as TensorFlow's: its training code holds bare ``except:`` clauses
+(``keras/src/trainers/compile_utils.py``, ``keras/src/backend/tensorflow/core.py``, run while
+a step function is traced), which would swallow a ``KeyboardInterrupt`` raised there; deferred,
+it is raised after the step by ``FeedCallback`` (``raise_owed``) or in the user's own code.
 SIGTERM keeps its default (the library installs no handler: SIGTERM ends the user's
 process). A program with its own SIGINT handler or wakeup fd (the CLI, asyncio) is left
 alone.
@@ -29,6 +33,7 @@ logged).
 from __future__ import annotations
 
 import _thread
+import importlib.util
 import logging
 import os
 import select
@@ -47,7 +52,19 @@ log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 3.0
 RETRY_S = 0.005  # one switch interval of the GIL: a retry costs the main thread little
-_TF_DIR = os.path.dirname(tf.__file__) + os.sep
+
+
+def _package_dirs() -> tuple[str, ...]:
+    """TensorFlow's folder and Keras' (found without importing it: a custom loop's feed does
+    not load Keras)."""
+    dirs = [os.path.dirname(tf.__file__) + os.sep]
+    keras = importlib.util.find_spec("keras")
+    if keras is not None and keras.submodule_search_locations:
+        dirs += [os.path.join(d, "") for d in keras.submodule_search_locations]
+    return tuple(dirs)
+
+
+_DEFER_IN = _package_dirs()  # a frame of these packages: the interrupt waits (module docstring)
 _STOP = b"\0"  # no signal has number 0: the byte that stops the thread
 
 
@@ -88,8 +105,8 @@ class SigintWake:
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         """SIGINT's Python handler while the feed lives (main thread): ``KeyboardInterrupt``,
-        unless in TensorFlow's code (see the module docstring)."""
-        if frame is not None and frame.f_code.co_filename.startswith(_TF_DIR):
+        unless in TensorFlow's or Keras' code (see the module docstring)."""
+        if frame is not None and frame.f_code.co_filename.startswith(_DEFER_IN):
             self._deferred = True
             self._retry.set()
             return
