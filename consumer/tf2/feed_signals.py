@@ -114,7 +114,7 @@ class SigintWake:
         raise KeyboardInterrupt
 
     def raise_owed(self) -> None:
-        """(the main thread, outside TensorFlow's code: ``FeedCallback`` after each step)
+        """(the main thread, outside TensorFlow's and Keras' code: ``FeedCallback`` after each step)
         Raise the ``KeyboardInterrupt`` the handler deferred, if any: a ``fit`` whose steps
         keep the main thread in TensorFlow's code would otherwise train its whole queued tail
         before the retries catch it outside (seen in the matrix: 89 batches after Ctrl-C)."""
@@ -165,7 +165,7 @@ class SigintWake:
         if in_main:
             reader.close()
             writer.close()
-            if self._deferred:  # the main thread never left TensorFlow's code: raised here
+            if self._deferred:  # never out of TensorFlow's or Keras' code: raised here
                 self._deferred = False
                 raise KeyboardInterrupt
         else:
