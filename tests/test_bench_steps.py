@@ -27,7 +27,10 @@ from tests.conftest import run_cli, wait_for
 
 pytestmark = pytest.mark.slow
 
-TINY_STEPS = ["--batch-size", "2", "--steps", "4", "--rounds", "2", "--warmup-steps", "1"]
+# 195x195, the smallest image AlexNet takes: ten mode workers' AlexNets at 227 cost ~10 s more
+# of CPU in a suite that is CPU-bound.
+TINY_STEPS = ["--batch-size", "2", "--steps", "4", "--rounds", "2", "--warmup-steps", "1",
+              "--image-size", "195"]  # fmt: skip
 
 
 def _bench(tmp_path, modes: list[str], *extra: str) -> tuple[dict, str]:
@@ -172,6 +175,7 @@ def _group_members(pgid: int) -> list[int]:
 def test_sigterm_mid_run_stops_every_process(start_cli):
     """SIGTERM to the bench alone: its mode workers and their producers all end in seconds."""
     flags = "--modes stagefeed,synthetic-device --batch-size 2 --steps 100000 --rounds 2"
+    flags += " --image-size 195"
     bench = start_cli(["bench", "steps", *flags.split(), "--log-level", "info"], name="bench")
     assert wait_for(lambda: "mode synthetic-device ready" in bench.output(), 120)
     pgid = bench.proc.pid
