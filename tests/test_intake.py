@@ -341,6 +341,37 @@ def test_only_a_producer_that_delivered_can_end_the_data(intake, caplog):
     _wait(intake.data_ended, "the data to end once the run that delivered said end")
 
 
+def test_the_data_has_not_ended_while_a_sibling_of_an_ended_producer_never_connected(
+    intake, caplog
+):
+    """Shard 0 of a ``produce --workers 2`` (its group: shards 0 and 1) delivers and ends
+    before shard 1's process connects (a loaded host starts it late): the data has not ended
+    until shard 1 said hello, delivered and ended too. Seen: a ``--steps 0`` trainer that
+    stopped after 12 of 24 batches (tests/test_integration.py, beside a CPU hog)."""
+    caplog.set_level("WARNING", logger="stagefeed.consumer.intake")
+
+    def hello(sock, shard: int) -> None:
+        sock.send(protocol.encode_control(
+            "hello", name=f"p-{shard}", schema=None, shard=shard, shards=2, seek=False,
+            group_first=0, group_shards=2,
+        ))  # fmt: skip
+        assert _reply(sock)["t"] == "welcome"
+
+    first = _peer(intake)
+    hello(first, 0)
+    first.send_multipart(protocol.encode_batch(0, GOOD))
+    first.send(protocol.encode_control("end", seq=1))
+    _wait(lambda: intake.ledger.summary()["p-0"]["ended_after"] == 1, "p-0's end booked")
+    assert not _holds_within(intake.data_ended, 2.0)
+    assert "shards [1] of their produce commands never connected" in caplog.text
+    second = _peer(intake)
+    hello(second, 1)
+    second.send_multipart(protocol.encode_batch(0, GOOD))
+    second.send(protocol.encode_control("end", seq=1))
+    _wait(intake.data_ended, "the data to end once both shards ended")
+    assert len(intake.recorder.got) == 2  # one batch of each shard
+
+
 def test_an_end_books_why_the_producer_left(intake, caplog):
     """A plain ``end`` is reason ok; ``source_error`` is booked with its detail and logged in
     one line naming the producer; an unknown reason is ``other``, its detail sanitised."""

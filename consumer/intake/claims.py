@@ -69,6 +69,11 @@ class Shards:
         self._forget = forget  # forgets a connection gone (its credit and books)
         self._log = LogThrottle()
         self._owners: dict[int, bytes] = {}
+        # Without books (no ``--save``): the shards whose producer was welcomed, and the other
+        # shards of their ``produce`` commands. A sibling process may start late (a loaded
+        # host): until it says hello, the data has not ended (``unmet``).
+        self._met: set[int] = set()
+        self._siblings: set[int] = set()
 
     def hello(
         self, router: zmq.Socket, routing_id: bytes, name: str, session: str | None,
@@ -95,6 +100,22 @@ class Shards:
             conn.group = protocol.group_of_hello(header)
             conn.order = order_of_hello(header, self._batch_size)  # checked by ``hello``
             self._owners[named[0]] = conn.routing_id
+
+    def met(self, header: dict) -> None:
+        """A welcomed hello: without books, note its shard and its ``produce`` command's (a
+        group that does not hold its shard is ignored; with books, ``hello`` refuses it and
+        ``ShardBooks.missing`` waits for the group)."""
+        named = protocol.shard_of_hello(header)
+        if self._ledger.shards is not None or named is None:
+            return
+        shard, shards, _ = named
+        self._met.add(shard)
+        if _group_problem(shard, shards, header) is None:
+            self._siblings.update(protocol.group_of_hello(header) or ())
+
+    def unmet(self) -> list[int]:
+        """Shards of a welcomed producer's ``produce`` command that never said hello here."""
+        return sorted(self._siblings - self._met)
 
     def owns(self, conn: Connection, shard: int) -> bool:
         return self._owners.get(shard) == conn.routing_id

@@ -208,6 +208,7 @@ class Dispatch:
         conn.ack_end = header.get("ack_end") is True
         if shard is not None or passing is not None:
             self.shards.bind(conn, header, session)
+        self.shards.met(header)
         if isinstance(passing, int):
             conn.shard = passing
             epoch = self.passes.epoch
@@ -351,7 +352,9 @@ class Dispatch:
     def data_ended(self) -> bool:
         """True once a producer that delivered (a valid batch booked on its connection, or on
         an earlier connection of its run) said ``end``, every live connection has said
-        ``end``, and every batch received has left the intake (enqueued or dropped). An
+        ``end``, every shard of their ``produce`` commands said hello (``Shards.unmet``;
+        with books, ``ShardBooks.missing``), and every batch received has left the intake
+        (enqueued or dropped). An
         ``end`` from a connection that delivered nothing ends nothing: a run that has
         received no batch never ends for lack of data (docs/guarantees.md).
         """
@@ -371,6 +374,11 @@ class Dispatch:
                 log.warning("every producer said end, but shards %s are not complete (first "
                             "batch missing: %s): waiting for their producers (restart them if "
                             "they are gone)", sorted(missing), missing)  # fmt: skip
+        if ended and books is None and (unmet := self.shards.unmet()):
+            ended = False  # a sibling of a producer that ended has not connected yet
+            if self._internal_log.due("siblings-unmet"):
+                log.warning("every producer said end, but shards %s of their produce commands "
+                            "never connected: waiting for them", unmet)  # fmt: skip
         if ended:
             self._data_ended.set()
         else:
