@@ -50,8 +50,21 @@ def _killed_at(spawn, args: list[str], pattern: str, name: str, env=None):
 
 def _last_checkpoint(started) -> int:
     """The step of the newest checkpoint the killed run logged as written (the kill may land a
-    few steps after the pattern it waited for, on a loaded machine)."""
+    few steps after the pattern it waited for, on a loaded machine): where the next run resumes
+    at the least (``_resumed``)."""
     return max(int(n) for n in re.findall(r"step (\d+): checkpoint", log_text(started)))
+
+
+def _resumed(text: str, at_least: int) -> int:
+    """The step the run that logged ``text`` resumed from: the killed run's newest logged
+    checkpoint ``at_least``, or a later one. A SIGKILL can land after a checkpoint's state file
+    is in place but before its line reaches the log (seen beside a CPU hog: resumed from 20,
+    the log's last was 15)."""
+    found = re.search(r"state-(\d{6})\.json: step (\d+)", text)
+    assert found and int(found.group(1)) == int(found.group(2)), text[-3000:]
+    step = int(found.group(2))
+    assert step >= at_least and step % 5 == 0, (step, at_least)  # --checkpoint-every 5
+    return step
 
 
 def _spawn_env(spawn, args, name, env):
@@ -85,10 +98,9 @@ def test_a_run_killed_twice_mid_epoch_resumes_and_trains_every_row_exactly_epoch
     first = _last_checkpoint(_killed_at(spawn, _run(save), r"step 15: checkpoint", "first"))
     again = _killed_at(spawn, _run(save), r"step 30: checkpoint", "second")
     assert "resuming from" in log_text(again)
-    assert f"state-{first:06d}.json: step {first}" in log_text(again)
-    second = _last_checkpoint(again)
+    assert _resumed(log_text(again), first) < 30
     text = _finished(spawn(_run(save), "last"))
-    assert f"state-{second:06d}.json: step {second}" in text
+    second = _resumed(text, _last_checkpoint(again))
     assert f"steps {STEPS - second} timed (+0 warm-up) - resumed from step {second}" in text
     _check_every_row_trained_exactly_epochs_times(save)
     # The finished run is not resumed again: one line, exit 2, before TensorFlow.
@@ -106,7 +118,7 @@ def test_a_trainer_killed_while_its_producers_keep_running_resumes_exactly(spawn
     killed = _last_checkpoint(_killed_at(spawn, train, r"step 15: checkpoint", "trainer"))
     assert producers.proc.poll() is None  # they wait for a trainer, holding their batches
     text = _finished(spawn(train, "trainer-again"))
-    assert f"resumed from step {killed}" in text
+    assert f"resumed from step {_resumed(text, killed)}" in text
     assert producers.wait(TIMEOUT_S) == 0, log_text(producers)[-3000:]
     assert "the trainer moved shard" in log_text(producers)
     _check_every_row_trained_exactly_epochs_times(save)
