@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from examples.filler import ThreadFiller
 from stagefeed.common.errors import ConfigError
 from stagefeed.common.schema import ArraySpec, Schema
 from stagefeed.consumer.tf2.feed import Feed
@@ -121,30 +122,22 @@ def test_an_iterator_that_lived_long_is_dropped_at_once_after_the_end():
     10 s of life on) before a dropped iterator is gone. Measured without ``pipeline.build``'s
     options on its outer root: 6.8 s to drop after 14 s of life."""
     feed = Feed(SCHEMA, 64)
-    life_s = 15.0
-
-    def trickle() -> None:  # a slow producer: a batch every 0.25 s, then the stop's close
-        started = time.monotonic()
-        seq = 0
-        try:
-            while time.monotonic() - started < life_s:
-                assert feed.enqueue(batch(seq % 30), peer=1, seq=seq)
-                seq += 1
-                time.sleep(0.25)
-        finally:
-            feed.close()
-
-    filler = threading.Thread(target=trickle, name="test-trickle")
-    filler.start()
     dataset = feed.dataset()
     # What its iterator's root reads: the thread's switch (the drop below catches a wait only
     # when it falls in a long period: 1 of 2 runs without the options, measured)
     assert dataset.options().autotune.enabled is False
+
+    def slowly():  # a slow producer: a batch every 0.25 s for 15 s, then the end of its data
+        for seq in range(60):
+            time.sleep(0.25)
+            yield batch(seq % 30)
+
+    filler = ThreadFiller(feed, slowly(), peer=1).start()
     iterator = iter(dataset)
     count = sum(1 for _ in iterator)
-    filler.join(timeout=30)
+    filler.join()
     started = time.monotonic()
     del iterator
     dropped_s = time.monotonic() - started
-    assert count == feed.figures().enqueued > 0
+    assert count == feed.figures().enqueued == 60
     assert dropped_s < 2.0, f"the iterator took {dropped_s:.1f} s to drop"
