@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # After every producer process ended without their data having ended (no ``end`` seen), how
 # long the batches they sent may take to reach the queue before the run drains.
 GONE_GRACE_S = 2.0
+# How long a trainer that trained its planned passes waits for the producers' ``end`` (their
+# data ends with those passes; the last batch can train before its ``end`` is booked).
+END_SETTLE_S = 2.0
 # How often a watcher thread looks at the verdict (``RunEnd.watch``): a stop, a failure or a
 # drain reaches a trainer waiting for data within this.
 WATCH_S = 0.1
@@ -137,6 +140,17 @@ class RunEnd:
         while not done.wait(WATCH_S):
             if act(self.poll()):
                 return
+
+    def settle(self, timeout_s: float = END_SETTLE_S) -> Verdict:
+        """Poll every ``WATCH_S`` until the verdict is not ``RUNNING``, for at most
+        ``timeout_s``; the verdict. For a trainer whose planned passes are trained: its
+        producers' data ends with them, and their ``end`` may follow the last step by a poll."""
+        deadline = self.clock() + timeout_s
+        verdict = self.poll()
+        while verdict.ending is Ending.RUNNING and self.clock() < deadline:
+            time.sleep(WATCH_S)
+            verdict = self.poll()
+        return verdict
 
     def poll(self) -> Verdict:
         """Look at every input once; the verdict, which never goes down."""

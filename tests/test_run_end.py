@@ -123,3 +123,23 @@ def test_verdicts_only_rise_and_the_first_of_a_level_is_kept():
 
 def test_the_levels_are_ordered_for_a_collective_max():
     assert sorted(Ending) == [Ending.RUNNING, Ending.DRAIN, Ending.STOP, Ending.FAIL]
+
+
+def test_settle_waits_for_an_end_that_follows_the_last_step():
+    inputs, looks = Inputs(), []
+
+    def ended() -> bool:  # the producers' ``end`` is booked on the third look
+        looks.append(1)
+        return len(looks) >= 3
+
+    run_end = RunEnd(inputs.stop, ended, [], clock=lambda: inputs.now)
+    verdict = run_end.settle(timeout_s=2.0)
+    assert (verdict.ending, verdict.data_ended, len(looks)) == (Ending.DRAIN, True, 3)
+
+
+def test_settle_gives_up_after_its_timeout_with_the_run_still_running():
+    inputs = Inputs()
+    times = iter(range(100))  # each look at the clock is a second later
+    run_end = RunEnd(inputs.stop, lambda: False, [], clock=lambda: float(next(times)))
+    assert run_end.settle(timeout_s=3.0).ending is Ending.RUNNING
+    assert next(times) < 10  # it stopped looking once the timeout had passed

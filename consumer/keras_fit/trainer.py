@@ -222,6 +222,8 @@ class KerasTrainer(TrainerBase):
         figures = self.feed.figures()
         self._queued = figures.in_queue
         verdict = watch.run_end.verdict
+        if verdict.ending is Ending.RUNNING and self._failure is None and self.passes_done():
+            verdict = watch.run_end.settle()  # the last batch may train before its ``end``
         if verdict.ending is Ending.DRAIN and figures.queued == 0 and self._failure is None:
             # A last batch may train before its producer's ``end_pass`` is booked: log the
             # epochs that the whole run's batches complete, now that every end is in.
