@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -52,9 +53,33 @@ def cli(*args: str) -> list[str]:
 
 
 def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on, from below the ephemeral range. A port the OS gave
+    to ``bind(0)`` is in that range, which every outgoing connection and every ``tcp://...:0``
+    of the other tests draws from: one of them took a cluster worker's gRPC port during that
+    worker's TensorFlow import (a fresh clone beside a CPU hog: "Could not start gRPC server").
+    Below it, only another pick here can take the port."""
+    low = _ephemeral_low()
+    if low <= 21000:  # no room below the range on this host: the OS's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(200):
+        port = random.randrange(20000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 20000-{low - 1}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def run_cli(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 
 import pytest
@@ -137,3 +138,18 @@ def test_graph_mode_in_a_cluster_is_refused_in_one_line():
     said = "stagefeed: error: graph mode (--model 'tests.helpers.regression_models:"
     assert line.startswith(said)
     assert "TF_CONFIG names a cluster of 2" in line and "Traceback" not in done.stderr
+
+
+def test_a_worker_whose_cluster_address_is_taken_is_refused_in_one_line():
+    ports = distinct_ports(2)
+    with socket.socket() as taken:  # what another process holds: this worker's gRPC port
+        taken.bind(("127.0.0.1", ports[1]))
+        taken.listen()
+        done = run_cli(["train", *KERAS, "--steps", "2", "--bind", f"tcp://127.0.0.1:{free_tcp_port()}"],
+                       env=cli_env(TF_CONFIG=cluster_config(1, ports)))  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line == ("stagefeed: error: TF_CONFIG: worker 1 cannot start its gRPC server at the "
+                    "address the cluster gives its task (the port is in use, or the host is not "
+                    "this machine)"), done.stderr[-3000:]  # fmt: skip
+    assert "Traceback" not in done.stderr

@@ -37,6 +37,7 @@ from typing import Any
 
 from stagefeed.common.errors import BrokenError, ConfigError
 from stagefeed.common.lifecycle import reclaim_stop_signals
+from stagefeed.common.tf_config import ENV as TF_CONFIG_ENV
 from stagefeed.common.tf_config import ClusterPlace
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,14 @@ def make_cluster(
             f"the cluster did not form within {join_s:g} s (--cluster-join-timeout-s): not "
             f"every worker of TF_CONFIG joined worker {place.index}; one that refused to start (a "
             "--save holding a finished run, a bad flag) says why in its own log"
+        ) from None
+    except tf.errors.UnknownError as exc:
+        if "Could not start gRPC server" not in exc.message:
+            raise
+        # The address TF_CONFIG gives this task cannot be bound: a start-time error, like --bind.
+        raise ConfigError(
+            f"{TF_CONFIG_ENV}: worker {place.index} cannot start its gRPC server at the address "
+            "the cluster gives its task (the port is in use, or the host is not this machine)"
         ) from None
     except RuntimeError as exc:
         if "at program startup" not in str(exc):
