@@ -176,14 +176,21 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
     return predicate()
 
 
-# Modules (or packages) whose tests share a started process through a module-, package- or
-# session-scoped fixture: kept on one xdist worker. ``test_conftest_groups`` fails when a test
-# file with such a fixture is missing here.
-SHARED_PROCESS_GROUPS = frozenset({
-    "hostile_input", "test_cluster_runs.py", "test_dataset_mirrored.py", "test_faults.py",
-    "test_fuzz_intake.py", "test_k8s.py", "test_shm_hostile.py", "test_signals.py",
-    "test_state_files.py",
-})  # fmt: skip
+def shared_process_group(item: pytest.Item) -> str | None:
+    """The xdist group of ``item``: its module (its package, under ``tests/hostile_input/``)
+    when it uses a module-, package- or session-scoped fixture of the suite's own (one that
+    starts a trainer once for several tests), else None. Read from pytest's resolution of the
+    item's fixtures, so a module that borrows another's fixture is grouped too: a hand-kept
+    list missed ``test_shm_hostile_nested``'s ``live = test_shm_hostile.live``, and each worker
+    that ran one of its tests started a canary trainer and three producers of its own."""
+    info = getattr(item, "_fixtureinfo", None)  # pytest's resolution, on test functions only
+    if info is None:
+        return None
+    for name in item.fixturenames:
+        defs = info.name2fixturedefs.get(name)
+        if defs and defs[-1].scope != "function" and defs[-1].func.__module__.startswith("tests."):
+            return os.path.relpath(str(item.path), os.path.join(REPO, "tests")).split(os.sep)[0]
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the marks into the node ids
@@ -196,11 +203,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     check), the tests that are not fast are marked ``process`` and left out
     (tests/helpers/fast_tests.py)."""
     fast_tests.mark(config, items)
-    tests = os.path.join(REPO, "tests")
     for item in items:
-        top = os.path.relpath(str(item.path), tests).split(os.sep)[0]
-        if top in SHARED_PROCESS_GROUPS:
-            item.add_marker(pytest.mark.xdist_group(top))
+        group = shared_process_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
